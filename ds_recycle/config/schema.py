@@ -1,0 +1,240 @@
+"""Typed configuration: the DeepSpeed JSON file with a ``"recycle"`` section.
+
+A config file is DeepSpeed's JSON plus one extra top-level key, ``"recycle"``::
+
+    {
+      "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 4,
+      "train_batch_size": 32,
+      "gradient_clipping": 1.0,
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+      "recycle": {
+        "enabled": true,
+        "stages": 2, "pipelines": 2,
+        "model": {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64},
+        "data": {"seed": 1234}
+      }
+    }
+
+:func:`load_config` parses the ``"recycle"`` section once into :class:`RecycleConfig`
+(unknown keys rejected), checks it against the DeepSpeed keys it depends on and returns a
+:class:`TrainConfig`. Everything downstream reads typed attributes.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ds_recycle.config._strict import parse_dataclass, to_jsonable
+from ds_recycle.config.errors import ConfigError
+
+Worker = tuple[int, int]
+"""A worker as ``(pipeline, stage)``."""
+
+OPTIMIZERS = ("Adam", "AdamW", "SGD")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the decoder-only transformer that :mod:`ds_recycle.model` builds."""
+
+    vocab_size: int = 256
+    """Tokens are bytes, so 256 covers every input."""
+    seq_len: int = 64
+    """Context length: tokens per sample."""
+    n_layer: int = 4
+    """Transformer blocks; DeepSpeed spreads them over the stages."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_head: int = 4
+    """Attention heads; must divide ``d_model``."""
+    mlp_ratio: int = 4
+    """Hidden width of each MLP as a multiple of ``d_model``."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "d_model", "n_head", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"recycle.model.{name}", f"{getattr(self, name)} is below 1",
+                                  "use a positive integer")
+        if self.d_model % self.n_head:
+            raise ConfigError("recycle.model.n_head", f"{self.n_head} heads do not divide d_model={self.d_model}",
+                              f"pick n_head among the divisors of {self.d_model}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from and how they are drawn."""
+
+    corpus: Literal["python-reference"] = "python-reference"
+    """The text: the Python language reference that ships with the interpreter (see ds_recycle.data)."""
+    seed: int = 1234
+    """Seed of the sampler: sample (iteration, pipeline, micro-batch, row) is a pure function of it."""
+    holdout_fraction: float = 0.05
+    """Tail of the corpus kept out of training, for evaluation."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.holdout_fraction < 0.5:
+            raise ConfigError("recycle.data.holdout_fraction", f"{self.holdout_fraction} is outside [0, 0.5)",
+                              "use a fraction such as 0.05")
+
+
+@dataclass(frozen=True)
+class RecycleConfig:
+    """The ``"recycle"`` section."""
+
+    enabled: bool = True
+    """False runs DeepSpeed's stock ``PipelineEngine`` on the same model and data (the baseline)."""
+    stages: int = 2
+    """Pipeline stages S."""
+    pipelines: int = 2
+    """Data-parallel pipelines D. The job has S x D workers."""
+    schedule: Literal["1f1b", "zb-h1", "adaptive"] = "adaptive"
+    """Failure-free schedule: DeepSpeed's 1F1B, zero-bubble ZB-H1, or the planner's choice."""
+    optimizer_step: Literal["staggered", "synchronous"] = "staggered"
+    """Each stage steps when its own work is done, or all stages step together."""
+    memory_limit: int | None = None
+    """Most micro-batches whose activations one worker may hold; null: the planner's default."""
+    assume_failed: tuple[Worker, ...] = ()
+    """Workers ``[pipeline, stage]`` absent from the start (the job runs with that many fewer processes)."""
+    costs_file: str | None = None
+    """Cost profile (per-stage F, B, W, O and comm) for the planner; null: measured costs are not used."""
+    model: GPTConfig = field(default_factory=GPTConfig)
+    """The GPT to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training data."""
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.pipelines < 1:
+            raise ConfigError("recycle.stages" if self.stages < 1 else "recycle.pipelines",
+                              f"stages={self.stages}, pipelines={self.pipelines}", "both must be at least 1")
+        if self.memory_limit is not None and self.memory_limit < 1:
+            raise ConfigError("recycle.memory_limit", f"{self.memory_limit} is below 1",
+                              "use a positive number of micro-batches, or null")
+        if self.model.n_layer < self.stages:
+            raise ConfigError("recycle.model.n_layer", f"{self.model.n_layer} blocks cannot fill {self.stages} stages",
+                              f"use at least {self.stages} layers or fewer stages")
+        self._check_assume_failed()
+
+    def _check_assume_failed(self) -> None:
+        seen: set[Worker] = set()
+        for i, (d, s) in enumerate(self.assume_failed):
+            if not (0 <= d < self.pipelines and 0 <= s < self.stages):
+                raise ConfigError(f"recycle.assume_failed[{i}]", f"[{d}, {s}] is outside {self.pipelines} pipelines"
+                                  f" x {self.stages} stages", "give [pipeline, stage] with 0-based indices")
+            if (d, s) in seen:
+                raise ConfigError(f"recycle.assume_failed[{i}]", f"[{d}, {s}] is listed twice", "list it once")
+            seen.add((d, s))
+        for s in range(self.stages):
+            if all((d, s) in seen for d in range(self.pipelines)):
+                raise ConfigError("recycle.assume_failed", f"every worker of stage {s} is absent",
+                                  "keep at least one live worker per stage (a whole lost stage needs a checkpoint)")
+
+    @property
+    def world_size(self) -> int:
+        """Processes the job needs: every worker but the assumed-failed ones."""
+        return self.stages * self.pipelines - len(self.assume_failed)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole config file: the typed ``recycle`` section and the DeepSpeed keys it relies on."""
+
+    recycle: RecycleConfig
+    deepspeed: dict[str, Any]
+    """The DeepSpeed config as DeepSpeed will see it (``recycle`` and ``optimizer`` removed)."""
+    optimizer_type: str
+    optimizer_params: dict[str, Any]
+    micro_batch_size: int
+    micro_batches: int
+    """Micro-batches per pipeline per iteration (DeepSpeed's gradient_accumulation_steps)."""
+    gradient_clipping: float
+    path: str = ""
+
+    def check_world_size(self, world_size: int) -> None:
+        """Fail when the launcher started a different number of processes than the config describes."""
+        need = self.recycle.world_size
+        if world_size != need:
+            absent = f" minus {len(self.recycle.assume_failed)} assumed failed" if self.recycle.assume_failed else ""
+            raise ConfigError("recycle.pipelines", f"{self.recycle.stages} stages x {self.recycle.pipelines} "
+                              f"pipelines{absent} need {need} processes, but {world_size} were started",
+                              f"launch {need} processes (--num_accelerators {need}) or change stages/pipelines")
+
+    def resolved(self) -> dict[str, Any]:
+        """The full resolved configuration, for the start-up log and the metrics."""
+        return {"recycle": to_jsonable(self.recycle), "deepspeed": self.deepspeed,
+                "optimizer": {"type": self.optimizer_type, "params": self.optimizer_params}}
+
+
+def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
+    """Parse and check a config file (or an already loaded dict)."""
+    path = ""
+    if not isinstance(source, dict):
+        path = str(source)
+        try:
+            source = json.loads(Path(source).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError("--deepspeed_config", f"no file at {path}", "pass the path of a JSON config") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError("--deepspeed_config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
+    if not isinstance(source, dict):
+        raise ConfigError("<top>", "the config is not a JSON object", "write the config as {...}")
+    raw = dict(source)
+    recycle = parse_dataclass(RecycleConfig, raw.pop("recycle", {}), "recycle")
+    opt_type, opt_params = _optimizer(raw.pop("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}}))
+    mbs, gas = _required_int(raw, "train_micro_batch_size_per_gpu"), _required_int(raw, "gradient_accumulation_steps")
+    _check_batch(raw, recycle, mbs, gas)
+    _check_deepspeed_features(raw, recycle)
+    clip = raw.setdefault("gradient_clipping", 1.0)  # DeepSpeed's own default, made explicit
+    if not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError("gradient_clipping", f"{clip!r} is not a non-negative number", "use 0.0 (off) or e.g. 1.0")
+    raw.setdefault("steps_per_print", 10**9)
+    return TrainConfig(recycle=recycle, deepspeed=raw, optimizer_type=opt_type, optimizer_params=opt_params,
+                       micro_batch_size=mbs, micro_batches=gas, gradient_clipping=float(clip), path=path)
+
+
+def _required_int(raw: dict[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(key, f"{value!r} is missing or not a positive integer", f"set '{key}' to a positive integer")
+    return value
+
+
+def _check_batch(raw: dict[str, Any], recycle: RecycleConfig, mbs: int, gas: int) -> None:
+    want = mbs * gas * recycle.pipelines
+    got = raw.get("train_batch_size", want)
+    if got != want:
+        raise ConfigError("train_batch_size", f"{got!r} != train_micro_batch_size_per_gpu ({mbs}) x "
+                          f"gradient_accumulation_steps ({gas}) x recycle.pipelines ({recycle.pipelines}) = {want}",
+                          f"set train_batch_size to {want}, or change the factors so they multiply to it")
+    raw["train_batch_size"] = want
+
+
+def _check_deepspeed_features(raw: dict[str, Any], recycle: RecycleConfig) -> None:
+    stage = raw.get("zero_optimization", {}).get("stage", 0)
+    if stage != 0:
+        raise ConfigError("zero_optimization.stage", f"{stage!r}: ZeRO partitions optimizer state over the replicas "
+                          "a failure removes", "use stage 0")
+    for key in ("fp16", "bf16"):
+        if raw.get(key, {}).get("enabled", False) and recycle.enabled:
+            raise ConfigError(f"{key}.enabled", "mixed precision is not supported by the ReCycle engine yet",
+                              f"remove '{key}' or set enabled to false (fp32)")
+
+
+def _optimizer(block: Any) -> tuple[str, dict[str, Any]]:
+    if not isinstance(block, dict) or set(block) - {"type", "params"}:
+        raise ConfigError("optimizer", f"{block!r} is not {{'type': ..., 'params': {{...}}}}",
+                          "write the optimizer as DeepSpeed does: {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}")
+    kind = block.get("type", "AdamW")
+    match = {o.lower(): o for o in OPTIMIZERS}.get(str(kind).lower())
+    if match is None:
+        raise ConfigError("optimizer.type", f"{kind!r} is not supported", f"use one of {', '.join(OPTIMIZERS)}")
+    params = block.get("params", {})
+    if not isinstance(params, dict):
+        raise ConfigError("optimizer.params", f"{params!r} is not an object", "write params as {\"lr\": 1e-3, ...}")
+    params = dict(params)
+    params.pop("torch_adam", None)  # we always build torch's optimizer (no fused-op compilation)
+    if "lr" not in params:
+        raise ConfigError("optimizer.params.lr", "missing", "set a learning rate, e.g. \"lr\": 1e-3")
+    return match, params
