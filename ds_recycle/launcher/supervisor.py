@@ -100,16 +100,21 @@ class Supervisor:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> int:
-        with _Wakeup() as wake:
-            for worker in self._children():
-                worker.start()
-                logger.info("started %s as pid %s", worker.spec.name, worker.pid)
-            while any(w.running for w in self._children()) or self._restart_at:
-                wake.wait(self._sleep_s())
-                self._on_signals(wake.received)
-                wake.received.clear()
-                self._reap()
-                self._fire_timers()
+        try:
+            with _Wakeup() as wake:
+                for worker in self._children():
+                    worker.start()
+                    logger.info("started %s as pid %s", worker.spec.name, worker.pid)
+                while any(w.running for w in self._children()) or self._restart_at:
+                    wake.wait(self._sleep_s())
+                    self._on_signals(wake.received)
+                    wake.received.clear()
+                    self._reap()
+                    self._fire_timers()
+        except BaseException:
+            logger.exception("the launcher failed; killing every worker")
+            self._send_all(signal.SIGKILL)
+            raise
         for worker in self._children():
             worker.join_output(_OUTPUT_DRAIN_S)
         return self._report()
@@ -141,7 +146,9 @@ class Supervisor:
     def _on_exit(self, exit: WorkerExit) -> None:
         self.exits.append(exit)
         log = logger.info if exit.kind is ExitKind.FINISHED or exit.stopped_by_launcher else logger.warning
-        log("%s at t=%.2f s", exit.describe(), time.monotonic() - self._t0)
+        log("%s at t=%.2f s", exit.describe(), time.monotonic() - self._t0,
+            extra={"event": "worker_exit", "rank": exit.rank, "pid": exit.pid, "returncode": exit.returncode,
+                   "exit_kind": exit.kind.value, "restart_count": exit.restart_count})
         if exit.rank is not None:
             self._publish_exit(exit)
         if self._stop_reason is not None:

@@ -15,6 +15,14 @@ from ds_recycle.launcher.remote import exported_env, launcher_argv, ssh_command
 TWO_NODES = Layout((NodeSlots("worker-0", (0, 1)), NodeSlots("worker-1", (1, 3))))
 
 
+@pytest.fixture(autouse=True)
+def _in_a_dir_with_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run each test where the scripts the options name exist (the launcher checks)."""
+    for name in ("t.py", "train.py"):
+        (tmp_path / name).write_text("")
+    monkeypatch.chdir(tmp_path)
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -69,6 +77,7 @@ def test_log_ranks_hide_stdout_only() -> None:
     (["--node_rank", "1", "t.py"], "--node_rank 1 is internal"),
     (["--error_grace", "-2", "t.py"], "error_grace_s=-2"),
     (["--include", "localhost:0", "--num_gpus", "1", "t.py"], "cannot be combined"),
+    (["--num_gpus", "1", "missing.py"], "'missing.py' does not exist"),
 ])
 def test_bad_options_are_named(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
