@@ -49,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds a remote node waits for node 0's store (default 120)")
 
     how = parser.add_argument_group("how each worker runs")
-    how.add_argument("--threads_per_worker", type=int, default=1,
-                     help="OMP/MKL threads per worker unless OMP_NUM_THREADS is set; 0: leave them alone")
+    how.add_argument("--threads_per_worker", type=int, default=None,
+                     help="OMP/MKL threads per worker unless OMP_NUM_THREADS is set (default: 1 without CUDA, "
+                          "untouched with CUDA); 0: leave them alone")
     how.add_argument("--log_ranks", default=None, help="show only these ranks' stdout, e.g. 0,1 (stderr: all)")
     how.add_argument("--module", action="store_true", help="run the target as `python -m TARGET`")
     how.add_argument("--no_python", action="store_true", help="the target is an executable, not a Python file")
@@ -102,15 +103,16 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
     layout = _layout(args, max(cuda_devices, 1))
     if not 0 <= args.node_rank < len(layout.nodes):
         raise ValueError(f"--node_rank {args.node_rank} is outside the job's {len(layout.nodes)} node(s)")
-    if args.threads_per_worker < 0:
-        raise ValueError(f"--threads_per_worker {args.threads_per_worker}: give 1 or more, or 0 for 'leave alone'")
+    threads = args.threads_per_worker if args.threads_per_worker is not None else (0 if cuda_devices else 1)
+    if threads < 0:
+        raise ValueError(f"--threads_per_worker {threads}: give 1 or more, or 0 for 'leave alone'")
     program = Program(args.user_script, tuple(args.user_args), args.module, args.no_python, not args.no_local_rank)
     if not (program.module or program.no_python or os.path.isfile(program.target)):
         raise ValueError(f"the script {program.target!r} does not exist in {os.getcwd()}; "
                          f"give its path, or use --module / --no_python")
     policy = ExitPolicy(args.strict, args.error_grace, args.kill_grace, args.restart_failed_after, args.max_restarts)
     return JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
-                   args.threads_per_worker or None, _parse_log_ranks(args.log_ranks), dict(os.environ),
+                   threads or None, _parse_log_ranks(args.log_ranks), dict(os.environ),
                    cuda_available=cuda_devices > 0)
 
 

@@ -206,6 +206,7 @@ class Supervisor:
         count = worker.restart_count + 1
         try:
             self.store.set(keys.restarted_key(rank), str(count))
+            self.store.delete_key(keys.exit_key(rank))  # the key means "this rank's process is gone"
         except (RuntimeError, OSError) as err:
             logger.error("could not record the restart of rank %d in the store: %s", rank, err)
         worker.start(count, {"DS_RECYCLE_RESTART_COUNT": str(count), "TORCHELASTIC_RESTART_COUNT": str(count)})
@@ -215,6 +216,7 @@ class Supervisor:
         """Stop the whole job: tell the other nodes, SIGTERM every worker, SIGKILL after the kill grace."""
         self._stop_reason = reason
         self._restart_at.clear()
+        self._error_deadline = None
         logger.warning("stopping the job: %s", reason)
         try:
             if not self.store.check([keys.STOP_KEY]):

@@ -65,6 +65,13 @@ def test_user_thread_and_accelerator_settings_win() -> None:
     assert "OMP_NUM_THREADS" not in env and "DS_ACCELERATOR" not in env
 
 
+def test_one_thread_per_worker_by_default_on_cpu_only() -> None:
+    assert cli.build_job(_args("t.py"), 1, cuda_devices=0).threads_per_worker == 1
+    assert cli.build_job(_args("t.py"), 1, cuda_devices=2).threads_per_worker is None
+    assert cli.build_job(_args("--threads_per_worker", "2", "t.py"), 1, cuda_devices=2).threads_per_worker == 2
+    assert cli.build_job(_args("--threads_per_worker", "0", "t.py"), 1, cuda_devices=0).threads_per_worker is None
+
+
 def test_log_ranks_hide_stdout_only() -> None:
     job = cli.build_job(_args("--num_accelerators", "3", "--log_ranks", "0,2", "t.py"), 29500, cuda_devices=0)
     assert [(s.rank, s.show_stdout, s.prefix) for s in worker_specs(job)] == [
