@@ -111,9 +111,11 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
         raise ValueError(f"the script {program.target!r} does not exist in {os.getcwd()}; "
                          f"give its path, or use --module / --no_python")
     policy = ExitPolicy(args.strict, args.error_grace, args.kill_grace, args.restart_failed_after, args.max_restarts)
+    log_ranks = _parse_log_ranks(args.log_ranks)
+    if log_ranks is not None and not log_ranks <= set(range(layout.world_size)):
+        raise ValueError(f"--log_ranks {args.log_ranks}: the job has ranks 0..{layout.world_size - 1}")
     return JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
-                   threads or None, _parse_log_ranks(args.log_ranks), dict(os.environ),
-                   cuda_available=cuda_devices > 0)
+                   threads or None, log_ranks, dict(os.environ), cuda_available=cuda_devices > 0)
 
 
 def _remote_workers(job: JobSpec, args: argparse.Namespace, sink: OutputSink) -> list[Worker]:

@@ -80,6 +80,7 @@ def test_log_ranks_hide_stdout_only() -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--log_ranks", "0,x", "t.py"], "--log_ranks"),
+    (["--num_gpus", "2", "--log_ranks", "0,2", "t.py"], r"ranks 0\.\.1"),
     (["--threads_per_worker", "-1", "t.py"], "--threads_per_worker -1"),
     (["--node_rank", "1", "t.py"], "--node_rank 1 is internal"),
     (["--error_grace", "-2", "t.py"], "error_grace_s=-2"),
@@ -146,3 +147,14 @@ def test_bad_hostfile_exits_2_with_the_reason(tmp_path: Path, capsys: pytest.Cap
     hostfile.write_text("worker-0 slots=two\n")
     assert main(["launch", "--hostfile", str(hostfile), "t.py"]) == 2
     assert "is not 'HOST slots=N'" in capsys.readouterr().err
+
+
+def test_busy_port_exits_2_and_suggests_port_0(capsys: pytest.CaptureFixture[str]) -> None:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ds_recycle.cli import main
+    busy = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
+    assert main(["launch", "--master_port", str(busy.port), "t.py"]) == 2
+    assert "--master_port 0" in capsys.readouterr().err
