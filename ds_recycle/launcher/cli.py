@@ -125,7 +125,7 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
 
 def _remote_workers(job: JobSpec, args: argparse.Namespace, sink: OutputSink) -> list[Worker]:
     env = exported_env(os.environ, default_env_files())
-    return [Worker(WorkerSpec(f"node {k} ({node.host})", None, tuple(ssh_command(job, k, os.getcwd(), env,
+    return [Worker(WorkerSpec(f"node {k} on {node.host}", None, tuple(ssh_command(job, k, os.getcwd(), env,
                                                                                 args.ssh_port)), dict(os.environ)),
                    sink) for k, node in enumerate(job.layout.nodes) if k > 0]
 

@@ -139,7 +139,7 @@ def test_dry_run_prints_layout_and_commands(tmp_path: Path, capsys: pytest.Captu
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == ["node 0: worker-0 slots [0, 1] ranks 0..1", "node 1: worker-1 slots [0] ranks 2..2"]
     assert out[2].startswith("rank 0: ") and out[2].endswith("-u t.py --local_rank=0 --x")
-    assert out[4].startswith("node 1 (worker-1): ssh -o BatchMode=yes worker-1 ")
+    assert out[4].startswith("node 1 on worker-1: ssh -o BatchMode=yes worker-1 ")
 
 
 def test_bad_hostfile_exits_2_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,6 +17,9 @@ from torch.distributed import TCPStore
 
 from tests.launcher.launch_harness import WORKER, LaunchedJob, assert_no_survivors
 
+pytestmark = pytest.mark.multiprocess  # starts launchers and gloo workers; run sequentially
+
+
 _STORE_LINE = r"store at ([\d.]+):(\d+)"
 
 
