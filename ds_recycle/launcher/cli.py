@@ -16,12 +16,16 @@ import os
 import shlex
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from ds_recycle.launcher.hosts import HostfileError, Layout, resolve_layout
 from ds_recycle.launcher.job import JobSpec, Program, worker_specs
 from ds_recycle.launcher.policy import ExitPolicy
 from ds_recycle.launcher.remote import default_env_files, exported_env, ssh_command
 from ds_recycle.launcher.worker import OutputSink, Worker, WorkerSpec
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 __all__ = ["add_arguments", "run", "build_job"]
 
@@ -155,31 +159,35 @@ def _setup_logging(node_rank: int) -> None:
                             format=f"[ds-recycle launch node {node_rank}] %(asctime)s %(levelname)s %(message)s")
 
 
+def _open_store(job: JobSpec, args: argparse.Namespace) -> TCPStore:
+    """Node 0 hosts the store (``--master_port 0``: any free port); other nodes connect and announce themselves."""
+    from ds_recycle.launcher import store as stores
+
+    if job.node_rank == 0:
+        return stores.host_store(job.master_addr, args.master_port, args.store_timeout)
+    store = stores.connect_store(job.master_addr, args.master_port, args.store_timeout)
+    try:
+        store.set(stores.node_key(job.node_rank), socket.gethostname())
+    except RuntimeError as err:
+        raise OSError(f"node 0's store at {job.master_addr}:{args.master_port} went away: {err}") from err
+    return store
+
+
 def run(args: argparse.Namespace) -> int:
     _setup_logging(args.node_rank)
     import torch  # deferred: `ds-recycle launch --help` stays fast
 
-    from ds_recycle.launcher import store as stores
-    from ds_recycle.launcher.supervisor import Supervisor
-
     from ds_recycle.launcher.nodes import OtherNodes
+    from ds_recycle.launcher.supervisor import Supervisor
 
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
         job = build_job(args, args.master_port, cuda_devices)
-    except ValueError as err:  # HostfileError is a ValueError
-        print(f"ds-recycle launch: error: {err}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        _print_dry_run(job, args)
-        return 0
-    try:
-        if job.node_rank == 0:
-            store = stores.host_store(job.master_addr, args.master_port, args.store_timeout)
-        else:
-            store = stores.connect_store(job.master_addr, args.master_port, args.store_timeout)
-            store.set(stores.node_key(job.node_rank), socket.gethostname())
-    except OSError as err:
+        if args.dry_run:
+            _print_dry_run(job, args)
+            return 0
+        store = _open_store(job, args)
+    except (ValueError, OSError) as err:  # HostfileError is a ValueError
         print(f"ds-recycle launch: error: {err}", file=sys.stderr)
         return 2
     job = build_job(args, store.port, cuda_devices)
