@@ -45,7 +45,7 @@ def test_four_workers_finish_and_the_job_succeeds(launch) -> None:
 @pytest.mark.timeout(90)
 def test_killed_worker_is_reported_and_survivors_keep_running(launch) -> None:
     job = launch("--num_accelerators", "4", "--master_port", "0", WORKER, "--local_only",
-                 "--steps", "40", "--step_sleep", "0.1")
+                 "--steps", "80", "--step_sleep", "0.1")  # 8 s: the survivors are still running when checked
     pids = job.ready_pids(4)
     store = _store_of(job)
     os.kill(pids[2], signal.SIGKILL)
@@ -131,7 +131,7 @@ def test_sigkilled_launcher_takes_its_workers_along(launch) -> None:
 @pytest.mark.timeout(90)
 def test_lost_rank_is_restarted_with_the_same_rank(launch) -> None:
     job = launch("--num_accelerators", "2", "--master_port", "0", "--restart_failed_after", "0.2", WORKER,
-                 "--local_only", "--steps", "15", "--step_sleep", "0.1", "--die_rank", "1", "--die_how", "exit75")
+                 "--local_only", "--steps", "40", "--step_sleep", "0.1", "--die_rank", "1", "--die_how", "exit75")
     store = _store_of(job)
     job.wait_for(r"READY rank=1 pid=\d+ restart=1")
     assert store.get("ds_recycle/restarted/1") == b"1"
