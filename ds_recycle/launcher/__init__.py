@@ -14,7 +14,8 @@ line and environment of each rank), :mod:`.worker` (one process), :mod:`.policy`
 
 **Environment of each worker.** The env:// contract (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, plus `deepspeed`'s ``LOCAL_SIZE``, ``CROSS_RANK``,
-``CROSS_SIZE`` and ``CUDA_VISIBLE_DEVICES`` = the node's slots), and ``TORCHELASTIC_USE_AGENT_STORE=True``:
+``CROSS_SIZE`` and ``CUDA_VISIBLE_DEVICES`` = the node's slots, mapped through the launcher's own
+``CUDA_VISIBLE_DEVICES`` when that lists device numbers), and ``TORCHELASTIC_USE_AGENT_STORE=True``:
 in torch's ``rendezvous.py`` that is the only switch that makes every rank, rank 0 included, connect to the
 existing store as a client instead of rank 0 creating one. No key prefix is needed: ``init_process_group``
 puts its keys under ``default_pg``. (A restarted rank that wants a fresh world must build its groups under a

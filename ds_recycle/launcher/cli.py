@@ -123,8 +123,10 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
     log_ranks = _parse_log_ranks(args.log_ranks)
     if log_ranks is not None and not log_ranks <= set(range(layout.world_size)):
         raise ValueError(f"--log_ranks {args.log_ranks}: the job has ranks 0..{layout.world_size - 1}")
-    return JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
-                   threads or None, log_ranks, dict(os.environ), cuda_available=cuda_devices > 0)
+    job = JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
+                  threads or None, log_ranks, dict(os.environ), cuda_available=cuda_devices > 0)
+    worker_specs(job)  # raises ValueError now for what only the per-rank environment can reveal
+    return job
 
 
 def _remote_workers(job: JobSpec, args: argparse.Namespace, sink: OutputSink) -> list[Worker]:
