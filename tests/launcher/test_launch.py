@@ -99,7 +99,8 @@ def test_strict_stops_everyone_on_the_first_death(launch) -> None:
                  "--steps", "1000", "--step_sleep", "0.1", "--die_rank", "0", "--die_step", "2")
     assert job.finish() == 1, job.text
     assert re.search(r"stopping the job: --strict: rank 0 signal SIGKILL", job.text)
-    assert len(re.findall(r"stopped by the launcher", job.text)) >= 2
+    stopped = re.findall(r"summary: rank (\d) \(pid \d+\) lost: signal SIGTERM \(stopped by the launcher\)", job.text)
+    assert sorted(stopped) == ["1", "2"]
     assert_no_survivors(job)
 
 
