@@ -42,13 +42,15 @@ class Assumptions:
     bamboo_reconfigure_s: float
     bamboo_reconfigure_threshold: float
     shrink_policy: ShrinkPolicy = ShrinkPolicy.SHRINK
+    recycle_rebalance: bool = False
 
     def describe(self) -> list[tuple[str, str, str]]:
         """(name, value, source) rows for the report."""
         rows = []
         for f in fields(self):
             value = getattr(self, f.name)
-            text = value.value if isinstance(value, enum.Enum) else (
+            text = value.value if isinstance(value, enum.Enum) else str(value) if isinstance(
+                value, bool) else (
                 f"{value:.4g}" if isinstance(value, float) else str(value))
             rows.append((f.name, text, SOURCES[f.name]))
         return rows
@@ -83,12 +85,16 @@ SOURCES: dict[str, str] = {
                                     f"({_OOBLECK_SIM}) or when waiting nodes can relieve the overloaded",
     "shrink_policy": "elastic restart on fewer pipelines keeping the global batch (torchrun elastic); "
                      "'wait' stops until D pipelines can be formed again",
+    "recycle_rebalance": "beyond the paper, off by default: after a failure ReCycle may move a live node "
+                         "from the stage with the fewest failures to the one with the most (state copy "
+                         "from a peer plus a re-plan) whenever the planner says the job gets faster",
 }
 
 
 def resolve_assumptions(workload: Workload, shape: JobShape, job_mtbf_s: float,
                         shrink_policy: ShrinkPolicy = ShrinkPolicy.SHRINK,
-                        checkpoint_interval_s: float | None = None) -> Assumptions:
+                        checkpoint_interval_s: float | None = None,
+                        recycle_rebalance: bool = False) -> Assumptions:
     """The numbers for this workload, shape and failure rate (see :data:`SOURCES`)."""
     hw = workload.hardware
     stage_bytes = workload.stage_state_bytes(shape.stages)
@@ -113,4 +119,5 @@ def resolve_assumptions(workload: Workload, shape: JobShape, job_mtbf_s: float,
         bamboo_reconfigure_s=workload.restart_s,
         bamboo_reconfigure_threshold=0.05,
         shrink_policy=shrink_policy,
+        recycle_rebalance=recycle_rebalance,
     )

@@ -106,7 +106,7 @@ class PipelineTimer:
             counts[s] += 1
         for s, f in enumerate(counts):
             if f >= D:
-                raise StageLostError(s)
+                raise StageLostError(s, D)
         sizes = self.shape.group_sizes
         if len(sizes) == 1:
             return self._group_time(D, failed)

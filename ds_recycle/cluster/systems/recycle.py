@@ -7,6 +7,10 @@
 - A node that comes back (or a spare) copies its stage's state from a live peer (`rejoin_copy_s`,
   while the others train), then rejoins at an iteration boundary (`reconfigure_s`); it takes the
   stage with the most failed workers.
+- Optionally (`Assumptions.recycle_rebalance`, beyond the paper): after a failure, a live node moves
+  from the stage with the fewest failures to the one with the most (it copies that stage's state from a
+  peer, `rejoin_copy_s`, then a re-plan, `reconfigure_s`) as long as the planner says the job gets
+  faster; this keeps failures spread over the stages when nodes do not come back.
 - When a stage has lost every replica, re-routing is impossible: roll back to the last checkpoint and
   restart once at least one node per stage is available, assigning nodes to stages so that failures are
   spread as evenly as possible.
@@ -83,6 +87,33 @@ class ReCycle(System):
         self._apply_rate()
         if not self.stage_lost:
             self._fill_from_idle(t)
+            if self.a.recycle_rebalance and not self.pending:
+                self._rebalance(t)
+
+    def _rebalance(self, t: float) -> None:
+        """Move live nodes towards the most-failed stage while the planner says it pays."""
+        moved = 0
+        while True:
+            counts = self._failures_per_stage()
+            worst = max(range(self.shape.stages), key=lambda s: counts[s])
+            best = min(range(self.shape.stages), key=lambda s: counts[s])
+            if counts[worst] - counts[best] < 2:
+                break
+            src = next(sl for sl, n in self.slots.items() if n is not None and sl[1] == best)
+            dst = next(sl for sl, n in self.slots.items() if n is None and sl[1] == worst)
+            now_s = self.timer.recycle_iteration_s(self._failed())
+            trial = (self._failed() - {dst}) | {src}
+            if self.timer.recycle_iteration_s(frozenset(trial)) >= now_s * (1 - 1e-9):
+                break
+            node = self.slots[src]
+            assert node is not None
+            self.slots[src], self.slots[dst] = None, node
+            self.where[node] = dst
+            moved += 1
+        if moved:
+            self.note(t, f"re-balance: {moved} node(s) change stage")
+            self.reconfigure(self.a.rejoin_copy_s + self.a.reconfigure_s)
+            self._apply_rate()
 
     def on_ready(self, t: float, node: str) -> None:
         self.idle.append(node)
