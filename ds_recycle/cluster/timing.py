@@ -93,6 +93,14 @@ class PipelineTimer:
         self._recycle_memo: dict[object, float] = {}
         self._baseline_memo: dict[tuple[int, int, int], float] = {}
 
+    def with_baseline(self, baseline: BaselineSchedule) -> PipelineTimer:
+        """A timer for another baseline schedule sharing this one's ReCycle plans and statistics."""
+        other = PipelineTimer(self.workload, self.shape, baseline)
+        other.stats, other._caches, other._recycle_memo = self.stats, self._caches, self._recycle_memo
+        if baseline is self.baseline:
+            other._baseline_memo = self._baseline_memo
+        return other
+
     @property
     def samples_per_iteration(self) -> int:
         return self.shape.pipelines * self.shape.microbatches * self.workload.micro_batch
