@@ -95,8 +95,14 @@ class Ledger:
         self._stretch_start = max(self.now, self._pause_end)
 
     def pause(self, phase: Phase, duration_s: float) -> None:
-        """Stop training for `duration_s` from now (replacing any pause in progress)."""
-        self._pause_phase, self._pause_end = phase, self.now + duration_s
+        """Stop training for `duration_s` from now, replacing any pause in progress, except that a
+        restart in progress is not cut short by a shorter reconfiguration (the restart re-forms every
+        group when it ends anyway)."""
+        end = self.now + duration_s
+        if self.paused and self._pause_phase is Phase.RESTARTING and phase is not Phase.RESTARTING \
+                and self._pause_end >= end:
+            return
+        self._pause_phase, self._pause_end = phase, end
         self._stretch_start = self._pause_end
 
     @property

@@ -133,3 +133,26 @@ def test_cli_rejects_bad_arguments(argv: list[str], words: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_binned_rate_integrates_the_useful_samples(tiny_workload: Workload, tiny_assumptions) -> None:  # type: ignore[no-untyped-def]
+    from ds_recycle.cluster.draw import binned_rate
+
+    trace = parse_trace([f"0,add,n{i}" for i in range(1, 5)] + ["1000000,remove,n1"])
+    result = simulate(trace, tiny_workload, SHAPE, [SystemKind.CHECKPOINT], hours=1.0,
+                      assumptions=tiny_assumptions)
+    xs, ys = binned_rate(result, SystemKind.CHECKPOINT, bins=36)
+    assert len(xs) == 36 and xs[0] == pytest.approx(50 / 3600)
+    assert sum(ys) * 100 == pytest.approx(result.systems[SystemKind.CHECKPOINT].samples)
+
+
+def test_a_reconfiguration_does_not_cut_a_restart_short() -> None:
+    ledger = Ledger(full_rate=10.0, checkpoint=None)
+    ledger.set_rate(10.0, 1.0)
+    ledger.advance(10.0)
+    ledger.pause(Phase.RESTARTING, 100.0)
+    ledger.advance(50.0)
+    ledger.pause(Phase.RECONFIGURING, 5.0)
+    ledger.advance(200.0)
+    assert [(s.phase, s.start_s, s.end_s) for s in ledger.segments] == [
+        (Phase.TRAINING, 0.0, 10.0), (Phase.RESTARTING, 10.0, 110.0), (Phase.TRAINING, 110.0, 200.0)]
