@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ds_recycle.cluster.assumptions import Assumptions, ShrinkPolicy, resolve_assumptions
 from ds_recycle.cluster.ledger import USEFUL, Phase, Segment
-from ds_recycle.cluster.systems import SYSTEMS, EventQueue, SimContext, SystemKind
+from ds_recycle.cluster.systems import SYSTEMS, EventQueue, SimContext, System, SystemKind
 from ds_recycle.cluster.timing import BaselineSchedule, JobShape, PipelineTimer
 from ds_recycle.cluster.trace import EventKind, Trace
 from ds_recycle.cluster.workload import Workload
@@ -142,16 +142,16 @@ def _run_one(kind: SystemKind, trace: Trace, timer: PipelineTimer, assumptions: 
                         tuple(system.notes))
 
 
-def _remove(system: object, present: set[str], starting: set[str], t: float, node: str) -> None:
+def _remove(system: System, present: set[str], starting: set[str], t: float, node: str) -> None:
     if node in starting:
         starting.discard(node)
         return
     if node in present:
         present.discard(node)
-        system.on_remove(t, node)  # type: ignore[attr-defined]
+        system.on_remove(t, node)
 
 
-def _add(system: object, queue: EventQueue, present: set[str], starting: set[str],
+def _add(system: System, queue: EventQueue, present: set[str], starting: set[str],
          a: Assumptions, t: float, node: str) -> None:
     starting.add(node)
 
@@ -159,6 +159,6 @@ def _add(system: object, queue: EventQueue, present: set[str], starting: set[str
         if node in starting:
             starting.discard(node)
             present.add(node)
-            system.on_ready(when, node)  # type: ignore[attr-defined]
+            system.on_ready(when, node)
 
     queue.push(t + a.node_start_s, ready)
