@@ -186,3 +186,35 @@ def test_stage_rebalance_helps_recycle(tiny_workload: Workload, tiny_assumptions
                      ).systems[SystemKind.RECYCLE]
     assert any("re-balance" in text for _, text in moved.notes)
     assert moved.effective_rate > plain.effective_rate
+
+
+def test_checkpoint_restart_grows_back_with_a_planned_restart(tiny_workload: Workload,
+                                                              tiny_assumptions: Assumptions) -> None:
+    r = _run(SystemKind.CHECKPOINT, tiny_workload, tiny_assumptions, "1000000,remove,n1",
+             "2000000,add,n5")
+    # failure: everything since the start is lost (no checkpoint), 100 s restart on one pipeline;
+    # n5 ready at 2045 s: a planned restart (save first, no loss) back to two pipelines
+    restarts = [(s.start_s, s.end_s) for s in r.segments if s.phase is Phase.RESTARTING]
+    assert restarts == [pytest.approx((1000, 1100)), pytest.approx((2045, 2045 + 100 + 10))]
+    assert r.breakdown()[Phase.LOST] == pytest.approx(1000 / HOUR)
+    assert r.segments[-1].rate == pytest.approx(SAMPLES / t1f1b(2, 4))
+
+
+def test_checkpoint_restart_wait_policy_stops(tiny_workload: Workload,
+                                              tiny_assumptions: Assumptions) -> None:
+    from ds_recycle.cluster.assumptions import ShrinkPolicy
+
+    a = replace(tiny_assumptions, shrink_policy=ShrinkPolicy.WAIT)
+    r = _run(SystemKind.CHECKPOINT, tiny_workload, a, "1000000,remove,n1", "2000000,add,n5")
+    br = r.breakdown()
+    assert br[Phase.WAITING] == pytest.approx(1045 / HOUR)  # until n5 is ready
+    assert br[Phase.RESTARTING] == pytest.approx(100 / HOUR)
+
+
+def test_oobleck_merges_pipelines_below_the_minimum(tiny_workload: Workload,
+                                                    tiny_assumptions: Assumptions) -> None:
+    a = replace(tiny_assumptions, oobleck_min_nodes=2)
+    r = _run(SystemKind.OOBLECK, tiny_workload, a, f"{T_FAIL * 1000:.0f},remove,n1")
+    # the broken pipeline cannot borrow (the other has exactly the minimum): its survivor is merged
+    # away, one 2-node pipeline runs all 8 micro-batches
+    assert r.segments[-1].rate == pytest.approx(SAMPLES / t1f1b(2, 8))
