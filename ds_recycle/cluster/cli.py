@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shrink-policy", choices=[p.value for p in ShrinkPolicy], default="shrink",
                         help="checkpoint-restart with too few nodes: shrink or wait")
     parser.add_argument("--recycle-group", type=int, default=8, help="ReCycle re-routing group Dg")
+    parser.add_argument("--recycle-memory-limit", type=int, metavar="N",
+                        help="ReCycle's adapted plans: most micro-batches a worker may hold")
     parser.add_argument("--recycle-rebalance", action="store_true",
                         help="let ReCycle move live nodes between stages (beyond the paper)")
     parser.add_argument("--checkpoint-interval", type=float, metavar="S",
@@ -118,7 +120,7 @@ def _stages_default(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        for name in ("hours", "repair_hours", "checkpoint_interval"):
+        for name in ("hours", "repair_hours", "checkpoint_interval", "recycle_memory_limit"):
             _positive("--" + name.replace("_", "-"), getattr(args, name))
         shape = _shape(args, _stages_default(args))
         workload = _workload(args, shape)
@@ -129,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
                                           ShrinkPolicy(args.shrink_policy), args.checkpoint_interval,
                                           args.recycle_rebalance)
         result = simulate(trace, workload, shape, kinds, hours=hours, assumptions=assumptions,
-                          baseline=BaselineSchedule(args.baseline_schedule))
+                          baseline=BaselineSchedule(args.baseline_schedule),
+                          memory_limit=args.recycle_memory_limit)
     except (TraceError, ValueError) as exc:
         print(f"ds-recycle simulate: error: {exc}", file=sys.stderr)
         return 2

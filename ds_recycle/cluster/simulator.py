@@ -97,13 +97,15 @@ def simulate(trace: Trace, workload: Workload, shape: JobShape, systems: Sequenc
              hours: float | None = None, baseline: BaselineSchedule = BaselineSchedule.ONE_F_ONE_B,
              assumptions: Assumptions | None = None,
              shrink_policy: ShrinkPolicy = ShrinkPolicy.SHRINK,
-             timer: PipelineTimer | None = None) -> SimulationResult:
-    """Run every system in `systems` over `trace` (see the module docstring)."""
+             timer: PipelineTimer | None = None,
+             memory_limit: int | None = None) -> SimulationResult:
+    """Run every system in `systems` over `trace` (see the module docstring). `memory_limit` caps
+    the micro-batches a worker of ReCycle's adapted plans may hold (None: no limit)."""
     t0 = time.perf_counter()
     span_s = (hours if hours is not None else default_hours(trace)) * 3600.0
     if not span_s > 0:
         raise ValueError(f"--hours {hours}: the run must last. Fix: --hours > 0")
-    timer = timer or PipelineTimer(workload, shape, baseline)
+    timer = timer or PipelineTimer(workload, shape, baseline, memory_limit)
     if assumptions is None:
         assumptions = resolve_assumptions(workload, shape, job_mtbf_s(trace, span_s), shrink_policy)
     results = {kind: _run_one(kind, trace, timer, assumptions, span_s) for kind in systems}

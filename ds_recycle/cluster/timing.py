@@ -1,7 +1,8 @@
 """Iteration times, all from the planner (`ds_recycle.plan`): one planner, not two.
 
-- ReCycle: `PlanCache(S, Dg, M, costs).time_per_iteration(failed)` of the adaptive planner, keyed by
-  the normalized failure set, so a failure set seen before costs a dictionary lookup.
+- ReCycle: `PlanCache(S, Dg, M, costs).time_per_iteration(failed)` of the adaptive planner (staggered
+  optimizer, one iteration planned, `memory_limit` as given, default none), keyed by the normalized
+  failure set, so a failure set seen before costs a dictionary lookup.
 - Every other system: the time per iteration of the planner's failure-free plan of the schedule that
   system runs (`1f1b` as DeepSpeed runs it, by default) for its current pipeline depth `n`, pipeline
   count and micro-batches per pipeline, memoised.
@@ -86,8 +87,10 @@ class PipelineTimer:
     """Planner-backed iteration times of one job shape and workload."""
 
     def __init__(self, workload: Workload, shape: JobShape,
-                 baseline: BaselineSchedule = BaselineSchedule.ONE_F_ONE_B) -> None:
+                 baseline: BaselineSchedule = BaselineSchedule.ONE_F_ONE_B,
+                 memory_limit: int | None = None) -> None:
         self.workload, self.shape, self.baseline = workload, shape, baseline
+        self.memory_limit = memory_limit
         self.stats = PlannerStats()
         self._caches: dict[int, PlanCache] = {}
         self._recycle_memo: dict[object, float] = {}
@@ -95,7 +98,7 @@ class PipelineTimer:
 
     def with_baseline(self, baseline: BaselineSchedule) -> PipelineTimer:
         """A timer for another baseline schedule sharing this one's ReCycle plans and statistics."""
-        other = PipelineTimer(self.workload, self.shape, baseline)
+        other = PipelineTimer(self.workload, self.shape, baseline, self.memory_limit)
         other.stats, other._caches, other._recycle_memo = self.stats, self._caches, self._recycle_memo
         if baseline is self.baseline:
             other._baseline_memo = self._baseline_memo
@@ -131,7 +134,8 @@ class PipelineTimer:
         if cache is None:
             costs = self.workload.costs_at(self.shape.stages, self.shape.pipelines)
             cache = self._caches[size] = PlanCache(self.shape.stages, size,
-                                                   self.shape.microbatches, costs)
+                                                   self.shape.microbatches, costs,
+                                                   memory_limit=self.memory_limit)
         t0 = time.perf_counter()
         value = cache.time_per_iteration(failed)
         self.stats.recycle_plan_s += time.perf_counter() - t0

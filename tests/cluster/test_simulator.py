@@ -218,3 +218,15 @@ def test_oobleck_merges_pipelines_below_the_minimum(tiny_workload: Workload,
     # the broken pipeline cannot borrow (the other has exactly the minimum): its survivor is merged
     # away, one 2-node pipeline runs all 8 micro-batches
     assert r.segments[-1].rate == pytest.approx(SAMPLES / t1f1b(2, 8))
+
+
+@pytest.mark.parametrize("kind", list(SystemKind))
+def test_a_spare_node_replaces_the_failed_one(kind: SystemKind, tiny_workload: Workload,
+                                              tiny_assumptions: Assumptions) -> None:
+    """With a fifth node waiting, every system is back at its failure-free rate after n1 fails."""
+    trace = parse_trace([f"0,add,n{i}" for i in range(1, 6)] + ["1000000,remove,n1"])
+    r = simulate(trace, tiny_workload, SHAPE, [kind], hours=1.0,
+                 assumptions=tiny_assumptions).systems[kind]
+    assert r.segments[-1].rate == pytest.approx(r.reference_rate * (
+        1 - tiny_assumptions.bamboo_overhead if kind is SystemKind.BAMBOO else 1.0))
+    assert r.segments[-1].start_s < 1000 + 120

@@ -10,7 +10,7 @@ arXiv 2309.08125, and its public simulator):
   one node fewer if it stays at or above the minimum; otherwise it borrows a node from the largest
   pipeline that can spare one; otherwise its nodes are merged into the other pipelines (one pipeline
   fewer). With no pipeline left: roll back and restart from the checkpoint.
-- A ready node joins the smallest pipeline below S nodes, or forms a new pipeline once S nodes wait
+- A ready node (or a spare, right after a failure) joins the smallest pipeline below S nodes, or forms a new pipeline once S nodes wait
   (a reconfiguration each time).
 - The global batch of D x M micro-batches is split among pipelines to minimise the slowest one's time
   (each pipeline's time from the planner's baseline plan for its depth and share); the iteration time
@@ -75,8 +75,17 @@ class Oobleck(System):
             self._apply()
             return
         self.ledger.lose_inflight()
+        self._absorb_idle()
         self.reconfigure(self.a.oobleck_reconfigure_s)
         self._apply()
+
+    def _absorb_idle(self) -> None:
+        """Waiting nodes (spares) fill the shortest pipelines below S nodes."""
+        while self.idle:
+            short = [p for p in self.pipes if len(p) < self.shape.stages]
+            if not short:
+                return
+            min(short, key=len).append(self.idle.pop(0))
 
     def _repair(self, pipe: list[str]) -> None:
         low = self.a.oobleck_min_nodes

@@ -3,7 +3,7 @@
 Nodes are bookkept per stage: pipelines = the fewest live nodes of any stage (capped at D), since a
 surviving node of a broken pipeline can pair with the live nodes of another broken pipeline (each
 holds its stage's state). A failure costs the iteration in flight and `reconfigure_s` (torchft's
-quorum); a returning node copies a peer's state (`rejoin_copy_s`) and joins the stage with the fewest
+quorum); a returning node (or a spare, right after a failure) copies a peer's state (`rejoin_copy_s`) and joins the stage with the fewest
 nodes at the next quorum (`reconfigure_s`).
 
 - `SystemKind.DROP` (torchft): each pipeline still runs M micro-batches, so the global batch shrinks to
@@ -79,12 +79,19 @@ class ReplicaDrop(System):
         self.ledger.lose_inflight()
         self.reconfigure(self.a.reconfigure_s)
         self._apply()
+        spares, self.idle = self.idle, []
+        for spare in spares:
+            self._place(t, spare)
 
     def on_ready(self, t: float, node: str) -> None:
         if self.lost_stage:
             self.idle.append(node)
             self._try_restart()
             return
+        self._place(t, node)
+
+    def _place(self, t: float, node: str) -> None:
+        """Send `node` to the stage with the fewest nodes (after a state copy), or keep it idle."""
         counts = [len(n) + sum(1 for s in self.pending.values() if s == i)
                   for i, n in enumerate(self.by_stage)]
         stage = min(range(self.shape.stages), key=lambda s: counts[s])
