@@ -41,6 +41,7 @@ class Assumptions:
     bamboo_failover_slowdown: float
     bamboo_reconfigure_s: float
     bamboo_reconfigure_threshold: float
+    bamboo_node_state_gb: float
     shrink_policy: ShrinkPolicy = ShrinkPolicy.SHRINK
     recycle_rebalance: bool = False
 
@@ -83,6 +84,8 @@ SOURCES: dict[str, str] = {
     "bamboo_reconfigure_s": f"Bamboo's rendezvous time per model (100/230/450 s) in {_OOBLECK_SIM}",
     "bamboo_reconfigure_threshold": f"Bamboo re-balances when 2 x overloaded / active nodes > 5% "
                                     f"({_OOBLECK_SIM}) or when waiting nodes can relieve the overloaded",
+    "bamboo_node_state_gb": "Bamboo's memory cost: a node holds its own stage's model state and its "
+                            "successor's (twice the others'); checked against the node's GPU memory",
     "shrink_policy": "elastic restart on fewer pipelines keeping the global batch (torchrun elastic); "
                      "'wait' stops until D pipelines can be formed again",
     "recycle_rebalance": "beyond the paper, off by default: after a failure ReCycle may move a live node "
@@ -118,6 +121,7 @@ def resolve_assumptions(workload: Workload, shape: JobShape, job_mtbf_s: float,
         bamboo_failover_slowdown=1.5,
         bamboo_reconfigure_s=workload.restart_s,
         bamboo_reconfigure_threshold=0.05,
+        bamboo_node_state_gb=2.0 * stage_bytes / 1e9,
         shrink_policy=shrink_policy,
         recycle_rebalance=recycle_rebalance,
     )

@@ -27,14 +27,13 @@ unequal stages, as real partitions do.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ds_recycle.plan import CostModel
 
 __all__ = ["Hardware", "ModelProfile", "A100_NODE", "MODELS", "model_names", "get_model",
-           "stage_layers", "stage_costs", "stage_state_bytes", "BYTES_PER_PARAM"]
+           "stage_layers", "stage_costs", "BYTES_PER_PARAM"]
 
 #: Mixed-precision Adam model state per parameter (ZeRO, arXiv 1910.02054, section 3.1).
 BYTES_PER_PARAM = 16
@@ -173,8 +172,3 @@ def stage_costs(m: ModelProfile, hw: Hardware, stages: int, pipelines: int,
         os_.append(ring + step)
     comm = 2.0 * micro_batch * m.seq_len * m.hidden / (hw.inter_node_gbs * 1e9)
     return CostModel(F=tuple(fs), B=tuple(bs), W=tuple(ws), O=tuple(os_), comm=comm)
-
-
-def stage_state_bytes(m: ModelProfile, stages: int) -> float:
-    """Model state of the largest stage (what a rejoining node copies, what a checkpoint writes per node)."""
-    return BYTES_PER_PARAM * m.params / stages * 1.0 if stages else math.inf

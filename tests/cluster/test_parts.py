@@ -156,3 +156,15 @@ def test_a_reconfiguration_does_not_cut_a_restart_short() -> None:
     ledger.advance(200.0)
     assert [(s.phase, s.start_s, s.end_s) for s in ledger.segments] == [
         (Phase.TRAINING, 0.0, 10.0), (Phase.RESTARTING, 10.0, 110.0), (Phase.TRAINING, 110.0, 200.0)]
+
+
+def test_bamboo_refuses_a_model_whose_double_state_does_not_fit(tmp_path: Path) -> None:
+    from ds_recycle.cluster.workload import workload_from_costs_file
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"F": [0.1, 0.1], "B": [0.1, 0.1], "W": [0.1, 0.1], "O": [0, 0], "comm": 0}))
+    big = workload_from_costs_file(path, micro_batch=1, state_gb=1000.0, reconfigure_s=1.0, restart_s=1.0)
+    trace = parse_trace([f"0,add,n{i}" for i in range(1, 5)])
+    with pytest.raises(ValueError, match="Bamboo needs 1000 GB"):
+        simulate(trace, big, SHAPE, [SystemKind.BAMBOO], hours=1.0)
+    assert simulate(trace, big, SHAPE, [SystemKind.RECYCLE], hours=1.0).systems  # others are fine

@@ -31,6 +31,11 @@ class Bamboo(System):
     kind = SystemKind.BAMBOO
 
     def __init__(self, ctx: SimContext) -> None:
+        need, have = ctx.assumptions.bamboo_node_state_gb, ctx.timer.workload.hardware.node_memory_gb
+        if need > have:
+            raise ValueError(f"Bamboo needs {need:.0f} GB of model state a node (its stage and its "
+                             f"successor's), more than the node's {have:.0f} GB. Fix: more stages, or "
+                             "leave bamboo out of --systems")
         self.coords: dict[Coord, str] = {}
         self.runs: dict[str, list[Coord]] = {}
         self.pipelines = 0
