@@ -13,10 +13,11 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 
 from ds_recycle.cluster.assumptions import ShrinkPolicy, resolve_assumptions
 from ds_recycle.cluster.generator import generate_trace
-from ds_recycle.cluster.models import get_model, model_names
+from ds_recycle.cluster.models import A100_NODE, get_model, model_names
 from ds_recycle.cluster.report import format_assumptions, format_table, to_json
 from ds_recycle.cluster.simulator import default_hours, job_mtbf_s, simulate
 from ds_recycle.cluster.systems import parse_systems
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "(default gpt3-medium)")
     what.add_argument("--costs-file", metavar="FILE", help="plan-format cost profile (F, B, W, O, comm)")
     parser.add_argument("--nodes", type=int, help="nodes in the cluster (generated traces; default S x D)")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help="GPUs a node (A100 80GB; a stage is tensor parallel over them)")
     parser.add_argument("--stages", type=int, help="pipeline stages S (default 6, or the costs file's)")
     parser.add_argument("--pipelines", type=int, help="data-parallel pipelines D (default nodes // S)")
     parser.add_argument("--microbatches", type=int, help="micro-batches per pipeline M (default 2 S)")
@@ -88,13 +91,18 @@ def _shape(args: argparse.Namespace, stages_default: int) -> JobShape:
 
 
 def _workload(args: argparse.Namespace, shape: JobShape) -> Workload:
+    if args.gpus_per_node < 1:
+        raise _UsageError(f"--gpus-per-node {args.gpus_per_node}: at least one GPU a node")
+    per_gpu_gb = A100_NODE.node_memory_gb / A100_NODE.gpus_per_node
+    hardware = replace(A100_NODE, name=f"{args.gpus_per_node}xA100-80GB", gpus_per_node=args.gpus_per_node,
+                       node_memory_gb=per_gpu_gb * args.gpus_per_node)
     if args.costs_file:
         return workload_from_costs_file(args.costs_file, micro_batch=args.micro_batch_size or 1,
                                         state_gb=args.state_gb, reconfigure_s=args.reconfigure_s,
-                                        restart_s=args.restart_s)
+                                        restart_s=args.restart_s, hardware=hardware)
     model = get_model(args.model or "gpt3-medium")
     b = args.micro_batch_size or max(1, round(model.global_batch / (shape.pipelines * shape.microbatches)))
-    return workload_from_model(model, b)
+    return workload_from_model(model, b, hardware)
 
 
 def _trace(args: argparse.Namespace, shape: JobShape) -> Trace:

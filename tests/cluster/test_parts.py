@@ -128,6 +128,7 @@ def test_cli_end_to_end(traces_dir: Path, tmp_path: Path, capsys: pytest.Capture
     (["--mtbf", "1", "--hours", "1", "--pipelines", "2", "--model", "gpt9"], "gpt3-medium"),
     (["--mtbf", "1", "--hours", "1", "--pipelines", "2", "--systems", "x"], "not a system"),
     (["--mtbf", "1", "--hours", "1", "--pipelines", "2", "--stages", "40"], "stages"),
+    (["--mtbf", "1", "--hours", "1", "--pipelines", "2", "--gpus-per-node", "0"], "--gpus-per-node"),
 ])
 def test_cli_rejects_bad_arguments(argv: list[str], words: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:
