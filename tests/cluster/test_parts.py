@@ -169,3 +169,18 @@ def test_bamboo_refuses_a_model_whose_double_state_does_not_fit(tmp_path: Path) 
     with pytest.raises(ValueError, match="Bamboo needs 1000 GB"):
         simulate(trace, big, SHAPE, [SystemKind.BAMBOO], hours=1.0)
     assert simulate(trace, big, SHAPE, [SystemKind.RECYCLE], hours=1.0).systems  # others are fine
+
+
+def test_recycle_times_are_the_planners(tiny_workload: Workload) -> None:
+    """One planner, not two: the simulator's ReCycle iteration time is PlanCache's, for any set."""
+    from ds_recycle.plan import PlanCache
+
+    shape = JobShape(2, 3, 4)
+    timer = PipelineTimer(tiny_workload, shape)
+    cache = PlanCache(2, 3, 4, tiny_workload.costs_at(2, 3))
+    for failed in [frozenset(), frozenset({(1, 0)}), frozenset({(0, 0), (2, 1)}),
+                   frozenset({(0, 1), (1, 1)})]:
+        assert timer.recycle_iteration_s(failed) == cache.time_per_iteration(failed)
+    assert timer.stats.recycle_plans == 4
+    timer.recycle_iteration_s(frozenset({(2, 0)}))  # a relabelling of a set seen before: no new plan
+    assert timer.stats.recycle_plans == 4
