@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -64,10 +65,7 @@ class PlanCache:
     def _plan(self, key: FailureKey) -> Plan:
         plan = self._plans.get(key)
         if plan is None:
-            plan = make_plan(self.stages, self.pipelines, self.microbatches, self.costs, _failed_of(key),
-                             iterations=self.iterations, schedule=self.schedule, optimizer=self.optimizer,
-                             memory_limit=self.memory_limit)
-            self._plans[key] = plan
+            plan = self._plans[key] = self._make(key)
         return plan
 
     def get(self, failed: Iterable[Worker]) -> Plan:
@@ -96,12 +94,24 @@ class PlanCache:
                     keys.setdefault(normalize_failures(combo, self.stages, self.pipelines)[0])
         return list(keys)
 
-    def precompute(self, max_failures: int = 2) -> int:
-        """Make the plan of every failure set of up to ``max_failures`` workers; returns how many distinct."""
-        keys = self.keys_up_to(max_failures)
+    def precompute(self, max_failures: int = 2, processes: int = 1) -> int:
+        """Make the plan of every failure set of up to ``max_failures`` workers; returns how many distinct.
+
+        ``processes`` > 1 makes the plans in that many worker processes.
+        """
+        keys = [key for key in self.keys_up_to(max_failures) if key not in self._plans]
+        if processes > 1 and len(keys) > 1:
+            with ProcessPoolExecutor(processes) as pool:
+                for key, plan in zip(keys, pool.map(self._make, keys, chunksize=max(1, len(keys) // (4 * processes)))):
+                    self._plans[key] = plan
         for key in keys:
             self._plan(key)
-        return len(keys)
+        return len(self.keys_up_to(max_failures))
+
+    def _make(self, key: FailureKey) -> Plan:
+        return make_plan(self.stages, self.pipelines, self.microbatches, self.costs, _failed_of(key),
+                         iterations=self.iterations, schedule=self.schedule, optimizer=self.optimizer,
+                         memory_limit=self.memory_limit)
 
     def save(self, path: str | Path) -> None:
         """Write the cache as JSON (gzip-compressed when the name ends in ``.gz``)."""
