@@ -58,6 +58,7 @@ class PlanCache:
         self.stages, self.pipelines, self.microbatches, self.costs = stages, pipelines, microbatches, costs
         self.iterations, self.schedule, self.optimizer, self.memory_limit = iterations, schedule, optimizer, memory_limit
         self._plans: dict[FailureKey, Plan] = {}
+        self._renamed: dict[frozenset[Worker], Plan] = {}
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -69,13 +70,22 @@ class PlanCache:
         return plan
 
     def get(self, failed: Iterable[Worker]) -> Plan:
-        """The plan for exactly ``failed`` (made and stored on a miss). Raises :class:`StageLostError`."""
-        key, perm = normalize_failures(failed, self.stages, self.pipelines)
+        """The plan for exactly ``failed`` (made and stored on a miss). Raises :class:`StageLostError`.
+
+        The renamed plan is kept too, so asking again for the same set is a dictionary lookup.
+        """
+        exact = frozenset(map(tuple, failed))
+        hit = self._renamed.get(exact)
+        if hit is not None:
+            return hit
+        key, perm = normalize_failures(exact, self.stages, self.pipelines)
         plan = self._plan(key)
         inverse = [0] * self.pipelines
         for p, place in enumerate(perm):
             inverse[place] = p
-        return plan if perm == tuple(range(self.pipelines)) else plan.relabel(inverse)
+        plan = plan if perm == tuple(range(self.pipelines)) else plan.relabel(inverse)
+        self._renamed[exact] = plan
+        return plan
 
     def time_per_iteration(self, failed: Iterable[Worker]) -> float:
         """Planned time per iteration under ``failed`` (no renaming needed)."""
