@@ -14,6 +14,7 @@ in every schedule; when a stage has lost every worker, :class:`StageLostError` s
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -39,16 +40,26 @@ Ordered by how often each was the best over the benchmark grid (S in {4, 8}; 480
 won 76% of them and was never more than 7.3% (0.44% on average) behind the best of all six."""
 
 #: (most ops in the plan, variants tried): big plans try fewer variants so that planning stays fast
-VARIANTS_BY_SIZE: tuple[tuple[int, int], ...] = ((8_000, 6), (30_000, 3))
+VARIANTS_BY_SIZE: tuple[tuple[int, int], ...] = ((8_000, 12), (30_000, 3))
 
 
 def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[Policy, ...]:
-    """The greedy variants a schedule tries, best kept."""
+    """The greedy variants a schedule tries, in order; the best is kept.
+
+    Under a memory limit the adaptive planner also tries :attr:`Policy.free_early` versions, ordered by how
+    often they won over the benchmark grid with a limit (S in {4, 8}; 252 cases).
+    """
     if schedule == "1f1b":
         return (Policy(fused=True, warmup=0, memory_limit=memory_limit),)
     limit = _plan_memory_limit(schedule, stages, memory_limit)
-    variants = ADAPTIVE_VARIANTS if schedule == "adaptive" else ((0, False), (0, True), (1, False))
-    return tuple(Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True) for w, ff in variants)
+    if schedule == "zb-h1":
+        return tuple(Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True)
+                     for w, ff in ((0, False), (0, True), (1, False)))
+    base = [Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True) for w, ff in ADAPTIVE_VARIANTS]
+    if limit is None:
+        return tuple(base)
+    early = [dataclasses.replace(p, free_early=True) for p in base]
+    return tuple([base[0], early[0], early[1]] + base[1:] + early[2:])
 
 
 def _plan_memory_limit(schedule: str, stages: int, memory_limit: int | None) -> int | None:
@@ -63,7 +74,7 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
               time_budget: float | None = None) -> Plan:
     """The plan of ``schedule`` for this shape and failure set (see the module docstring).
 
-    ``variants``: how many greedy variants to try (default: all six up to 8,000 ops, three up to 30,000,
+    ``variants``: how many greedy variants to try (default: all (six, twelve under a memory limit) up to 8,000 ops, three up to 30,000,
     else one; see :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once
     spent (the first always runs); it makes the result depend on the machine's speed, so caches and tests
     leave it unset.
