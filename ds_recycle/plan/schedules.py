@@ -2,7 +2,10 @@
 
     plan = make_plan(4, 2, 8, CostModel.uniform(4), failed=[(1, 2)], iterations=2)
 
-* ``"1f1b"``: DeepSpeed's schedule: stage s runs at most ``S - s`` micro-batches ahead, B and W fused.
+* ``"1f1b"``: DeepSpeed's schedule: stage s runs at most ``S - s`` micro-batches ahead, B and W fused:
+  W right after its B, and the gradient leaves the stage only after W, as DeepSpeed's single backward
+  call does (so its times are later than rule 4 alone requires; ``simulate(..., fused_backward=True)``
+  reproduces them). DeepSpeed steps all stages together: pass ``optimizer="synchronous"`` for that.
 * ``"zb-h1"``: the zero-bubble ZB-H1 family ("Zero Bubble Pipeline Parallelism", arXiv 2401.10241):
   B early, W deferred into idle time, and no worker holding more than S micro-batches (1F1B's first stage).
 * ``"adaptive"``: the best (smallest makespan) of several greedy variants (:data:`ADAPTIVE_VARIANTS`),
