@@ -25,7 +25,7 @@ from typing import Iterable
 
 from ds_recycle.plan.bounds import check_shape, failures_per_stage
 from ds_recycle.plan.costs import CostModel
-from ds_recycle.plan.errors import PlanError
+from ds_recycle.plan.errors import DeadlockError, PlanError
 from ds_recycle.plan.listsched import Policy, list_schedule
 from ds_recycle.plan.ops import Worker
 from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan
@@ -97,15 +97,23 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     if variants is None:
         ops = 3 * stages * pipelines * microbatches * iterations
         variants = next((n for most, n in VARIANTS_BY_SIZE if ops <= most), 1)
+    stalled: list[str] = []
     for policy in policies_for(schedule, stages, memory_limit)[:max(1, variants)]:
-        workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations,
-                                optimizer == "synchronous", policy)
+        try:
+            workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations,
+                                    optimizer == "synchronous", policy)
+        except DeadlockError as exc:  # a variant that cannot finish under the memory limit: try the next
+            logger.warning("%s", exc)
+            stalled.append(str(exc))
+            continue
         span = max(ops[-1].end for ops in workers.values())
         if best is None or span < best[0] - 1e-12:
             best = (span, workers)
         if time_budget is not None and time.perf_counter() - began > time_budget:
             break
-    assert best is not None
+    if best is None:
+        raise PlanError(f"no {schedule} plan fits memory_limit={memory_limit}: {stalled[0]}. "
+                        f"Fix: raise --memory-limit")
     logger.debug("plan S=%d D=%d M=%d K=%d failed=%s %s: makespan %.4g", stages, pipelines, microbatches,
                  iterations, sorted(failed), schedule, best[0])
     return Plan(stages, pipelines, microbatches, iterations, optimizer,
@@ -113,7 +121,7 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
                 schedule)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def best_failure_free(stages: int, pipelines: int, microbatches: int, costs: CostModel, *,
                       iterations: int = 1, optimizer: str = "staggered",
                       memory_limit: int | None = None) -> Plan:
