@@ -175,9 +175,11 @@ def speed() -> None:
     print("\nplanner speed")
     costs = uniform(16)
     failed = [(0, 0), (1, 8), (2, 15)]
-    for label, variants in (("default (one greedy variant at this size)", None), ("all six greedy variants", 6)):
+    for label, variants, limit in (("default (one greedy variant at this size)", None, None),
+                                   ("memory limit 19, default (two variants)", None, 19),
+                                   ("all six greedy variants", 6, None)):
         began = time.perf_counter()
-        make_plan(16, 8, 64, costs, failed, iterations=K, variants=variants)
+        make_plan(16, 8, 64, costs, failed, iterations=K, variants=variants, memory_limit=limit)
         print(f"  S=16 D=8 M=64 K=2, three failures, {label}: {time.perf_counter() - began:.2f} s (target < 1 s)")
     cache = PlanCache(8, 8, 32, uniform(8), iterations=K)
     began = time.perf_counter()

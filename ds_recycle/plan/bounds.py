@@ -8,7 +8,8 @@ from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError, StageLostError
 from ds_recycle.plan.ops import Worker
 
-__all__ = ["lower_bound", "routed_lower_bound", "round_trip_bound", "best_possible", "failures_per_stage", "check_shape"]
+__all__ = ["lower_bound", "routed_lower_bound", "round_trip_bound", "best_possible", "failures_per_stage",
+           "check_shape"]
 
 
 def check_shape(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int = 1) -> None:

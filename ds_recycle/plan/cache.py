@@ -55,7 +55,8 @@ class PlanCache:
     def __init__(self, stages: int, pipelines: int, microbatches: int, costs: CostModel, *, iterations: int = 1,
                  schedule: str = "adaptive", optimizer: str = "staggered", memory_limit: int | None = None) -> None:
         self.stages, self.pipelines, self.microbatches, self.costs = stages, pipelines, microbatches, costs
-        self.iterations, self.schedule, self.optimizer, self.memory_limit = iterations, schedule, optimizer, memory_limit
+        self.iterations, self.schedule = iterations, schedule
+        self.optimizer, self.memory_limit = optimizer, memory_limit
         self._plans: dict[FailureKey, Plan] = {}
         self._renamed: dict[frozenset[Worker], Plan] = {}
 
@@ -143,7 +144,8 @@ class PlanCache:
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
                 raise
-            raise PlanError(f"plan cache {str(path)!r} is malformed: {exc!r}. Fix: write it with PlanCache.save") from exc
+            raise PlanError(f"plan cache {str(path)!r} is malformed: {exc!r}. "
+                            f"Fix: write it with PlanCache.save") from exc
         return cache
 
 

@@ -45,7 +45,8 @@ def parse_costs(text: str) -> tuple[float, float, float, float, float]:
     except ValueError:
         values = ()
     if len(values) != 5 or any(not v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--costs {text!r}: expected five numbers >= 0, F,B,W,O,comm (e.g. 1,1,1,0.5,0.05)")
+        raise argparse.ArgumentTypeError(f"--costs {text!r}: expected five numbers >= 0, F,B,W,O,comm "
+                                         f"(e.g. 1,1,1,0.5,0.05)")
     return values  # type: ignore[return-value]
 
 

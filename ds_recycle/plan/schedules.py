@@ -42,8 +42,9 @@ ADAPTIVE_VARIANTS: tuple[tuple[int | None, bool], ...] = ((None, False), (None, 
 Ordered by how often each was the best over the benchmark grid (S in {4, 8}; 480 cases): the first
 won 76% of them and was never more than 7.3% (0.44% on average) behind the best of all six."""
 
-#: (most ops in the plan, variants tried): big plans try fewer variants so that planning stays fast
-VARIANTS_BY_SIZE: tuple[tuple[int, int], ...] = ((8_000, 12), (30_000, 3))
+#: (most ops in the plan, variants tried): big plans try fewer variants so that planning stays fast;
+#: beyond the last size, one variant (two under a memory limit)
+VARIANTS_BY_SIZE: tuple[tuple[int, int], ...] = ((8_000, 12), (30_000, 4))
 
 
 def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[Policy, ...]:
@@ -62,7 +63,8 @@ def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[
     if limit is None:
         return tuple(base)
     early = [dataclasses.replace(p, free_early=True) for p in base]
-    return tuple([base[0], early[0], early[1]] + base[1:] + early[2:])
+    # base[4] is ZB-H1's warm-up cap (S - s): under a limit it often wins on deep pipelines (S = 16)
+    return tuple([base[0], early[0], base[4], early[1], base[2], base[3], base[1], base[5]] + early[2:])
 
 
 def _plan_memory_limit(schedule: str, stages: int, memory_limit: int | None) -> int | None:
@@ -77,10 +79,11 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
               time_budget: float | None = None) -> Plan:
     """The plan of ``schedule`` for this shape and failure set (see the module docstring).
 
-    ``variants``: how many greedy variants to try (default: all (six, twelve under a memory limit) up to 8,000 ops, three up to 30,000,
-    else one; see :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once
-    spent (the first always runs); it makes the result depend on the machine's speed, so caches and tests
-    leave it unset.
+    ``variants``: how many greedy variants to try (default: all of them (six, twelve under a memory
+    limit) up to 8,000 ops, four up to 30,000, else one (two under a memory limit); see
+    :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once spent (the
+    first always runs); it makes the result depend on the machine's speed, so caches and tests leave it
+    unset.
     Raises :class:`StageLostError` when every worker of some stage failed, :class:`PlanError` on bad input.
     """
     check_shape(stages, pipelines, microbatches, costs, iterations)
@@ -96,7 +99,7 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     began, best = time.perf_counter(), None
     if variants is None:
         ops = 3 * stages * pipelines * microbatches * iterations
-        variants = next((n for most, n in VARIANTS_BY_SIZE if ops <= most), 1)
+        variants = next((n for most, n in VARIANTS_BY_SIZE if ops <= most), 1 if memory_limit is None else 2)
     stalled: list[str] = []
     for policy in policies_for(schedule, stages, memory_limit)[:max(1, variants)]:
         try:
