@@ -42,9 +42,9 @@ ADAPTIVE_VARIANTS: tuple[tuple[int | None, bool], ...] = ((None, False), (None, 
 Ordered by how often each was the best over the benchmark grid (S in {4, 8}; 480 cases): the first
 won 76% of them and was never more than 7.3% (0.44% on average) behind the best of all six."""
 
-#: (most ops in the plan, variants tried): big plans try fewer variants so that planning stays fast;
-#: beyond the last size, one variant (two under a memory limit)
-VARIANTS_BY_SIZE: tuple[tuple[int, int], ...] = ((8_000, 12), (30_000, 4))
+#: (most ops in the plan, variants tried without / with a memory limit): big plans try fewer variants so
+#: that planning stays fast; beyond the last size, one variant (two under a memory limit)
+VARIANTS_BY_SIZE: tuple[tuple[int, int, int], ...] = ((8_000, 6, 12), (30_000, 3, 4))
 
 
 def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[Policy, ...]:
@@ -80,8 +80,7 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     """The plan of ``schedule`` for this shape and failure set (see the module docstring).
 
     ``variants``: how many greedy variants to try (default: all of them (six, twelve under a memory
-    limit) up to 8,000 ops, four up to 30,000, else one (two under a memory limit); see
-    :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once spent (the
+    limit) up to 8,000 ops, three (four) up to 30,000, else one (two); see :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once spent (the
     first always runs); it makes the result depend on the machine's speed, so caches and tests leave it
     unset.
     Raises :class:`StageLostError` when every worker of some stage failed, :class:`PlanError` on bad input.
@@ -99,7 +98,8 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     began, best = time.perf_counter(), None
     if variants is None:
         ops = 3 * stages * pipelines * microbatches * iterations
-        variants = next((n for most, n in VARIANTS_BY_SIZE if ops <= most), 1 if memory_limit is None else 2)
+        limited = memory_limit is not None
+        variants = next((n[limited] for most, *n in VARIANTS_BY_SIZE if ops <= most), 1 + limited)
     stalled: list[str] = []
     for policy in policies_for(schedule, stages, memory_limit)[:max(1, variants)]:
         try:
