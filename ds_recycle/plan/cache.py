@@ -55,8 +55,10 @@ class PlanCache:
     def __init__(self, stages: int, pipelines: int, microbatches: int, costs: CostModel, *, iterations: int = 1,
                  schedule: str = "adaptive", optimizer: str = "staggered", memory_limit: int | None = None) -> None:
         self.stages, self.pipelines, self.microbatches, self.costs = stages, pipelines, microbatches, costs
-        self.iterations, self.schedule, self.optimizer, self.memory_limit = iterations, schedule, optimizer, memory_limit
+        self.iterations, self.schedule = iterations, schedule
+        self.optimizer, self.memory_limit = optimizer, memory_limit
         self._plans: dict[FailureKey, Plan] = {}
+        self._renamed: dict[frozenset[Worker], Plan] = {}
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -64,20 +66,26 @@ class PlanCache:
     def _plan(self, key: FailureKey) -> Plan:
         plan = self._plans.get(key)
         if plan is None:
-            plan = make_plan(self.stages, self.pipelines, self.microbatches, self.costs, _failed_of(key),
-                             iterations=self.iterations, schedule=self.schedule, optimizer=self.optimizer,
-                             memory_limit=self.memory_limit)
-            self._plans[key] = plan
+            plan = self._plans[key] = self._make(key)
         return plan
 
     def get(self, failed: Iterable[Worker]) -> Plan:
-        """The plan for exactly ``failed`` (made and stored on a miss). Raises :class:`StageLostError`."""
-        key, perm = normalize_failures(failed, self.stages, self.pipelines)
+        """The plan for exactly ``failed`` (made and stored on a miss). Raises :class:`StageLostError`.
+
+        The renamed plan is kept too, so asking again for the same set is a dictionary lookup.
+        """
+        exact = frozenset(map(tuple, failed))
+        hit = self._renamed.get(exact)
+        if hit is not None:
+            return hit
+        key, perm = normalize_failures(exact, self.stages, self.pipelines)
         plan = self._plan(key)
         inverse = [0] * self.pipelines
         for p, place in enumerate(perm):
             inverse[place] = p
-        return plan if perm == tuple(range(self.pipelines)) else plan.relabel(inverse)
+        plan = plan if perm == tuple(range(self.pipelines)) else plan.relabel(inverse)
+        self._renamed[exact] = plan
+        return plan
 
     def time_per_iteration(self, failed: Iterable[Worker]) -> float:
         """Planned time per iteration under ``failed`` (no renaming needed)."""
@@ -102,6 +110,11 @@ class PlanCache:
         for key in keys:
             self._plan(key)
         return len(keys)
+
+    def _make(self, key: FailureKey) -> Plan:
+        return make_plan(self.stages, self.pipelines, self.microbatches, self.costs, _failed_of(key),
+                         iterations=self.iterations, schedule=self.schedule, optimizer=self.optimizer,
+                         memory_limit=self.memory_limit)
 
     def save(self, path: str | Path) -> None:
         """Write the cache as JSON (gzip-compressed when the name ends in ``.gz``)."""
@@ -131,7 +144,8 @@ class PlanCache:
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
                 raise
-            raise PlanError(f"plan cache {str(path)!r} is malformed: {exc!r}. Fix: write it with PlanCache.save") from exc
+            raise PlanError(f"plan cache {str(path)!r} is malformed: {exc!r}. "
+                            f"Fix: write it with PlanCache.save") from exc
         return cache
 
 

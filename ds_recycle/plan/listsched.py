@@ -47,6 +47,9 @@ class Policy:
     """Prefer a ready F over a ready B (feeds a loaded downstream stage sooner)."""
     fit_w: bool = False
     """Start a W only if it ends before the next F or B already on its way arrives (else wait for that)."""
+    free_early: bool = False
+    """With a memory limit: once the worker is one micro-batch short of it, a pending W goes before B and F
+    (it frees room for the next F, so the pipeline keeps being fed)."""
     alternate: bool = False
     """Once the warm-up cap is reached, strictly alternate B and F (1F1B's order of F and B), with W
     filling the time in which the op due next is not ready: ZB-H1's construction."""
@@ -56,7 +59,7 @@ class _Worker:
     """Mutable state of one worker during the pass."""
 
     __slots__ = ("key", "stage", "fin", "bin", "wq", "held", "open", "free", "iteration", "left",
-                 "ops", "version", "waiting", "f_cap", "f_left", "expect")
+                 "ops", "version", "waiting", "f_cap", "f_left", "expect", "decision")
 
     def __init__(self, key: Worker, f_cap: float) -> None:
         self.key, self.stage = key, key[1]
@@ -70,6 +73,7 @@ class _Worker:
         self.f_cap = f_cap
         self.f_left = 0
         self.expect: OpKind | None = None
+        self.decision: tuple[float, OpKind | None, int] = (_INF, None, 0)
 
 
 def list_schedule(stages: int, pipelines: int, microbatches: int, costs: CostModel, routing: Routing,
@@ -120,7 +124,8 @@ class _Pass:
 
     def _push(self, w: _Worker) -> None:
         w.version += 1
-        t = self._decide(w)[0]
+        w.decision = self._decide(w)
+        t = w.decision[0]
         if t < _INF:
             heapq.heappush(self.heap, (t, w.stage, w.key[0], w.version, w))
 
@@ -140,10 +145,12 @@ class _Pass:
         if w.waiting:
             return _INF, None, 0
         expect = w.expect
-        b_ready, _, b_from = self._heads(w, w.bin) if expect is not _F else (_INF, None, 0)
-        f_ok = w.held < self.mem and w.open < w.f_cap and expect is not _B
+        b_ready, _, b_from = self._heads(w, w.bin) if w.bin and expect is not _F else (_INF, None, 0)
+        f_ok = w.fin and w.held < self.mem and w.open < w.f_cap and expect is not _B
         f_ready, _, f_from = self._heads(w, w.fin) if f_ok else (_INF, None, 0)
         w_ready = w.free if w.wq else _INF
+        if self.policy.free_early and w.wq and w.held >= self.mem - 1:
+            return w.free, _W, 0
         if self.policy.fit_w and w.wq and min(b_ready, f_ready) < w.free + self.costs.W[w.stage] - 1e-12:
             w_ready = _INF
         t = max(w.free, min(b_ready, f_ready, w_ready))
@@ -162,7 +169,7 @@ class _Pass:
             t, _, _, version, w = heapq.heappop(heap)
             if version != w.version:
                 continue
-            t, kind, sender = self._decide(w)
+            t, kind, sender = w.decision  # unchanged since pushed: the version matches
             if kind is _F:
                 self._run_f(w, t, w.fin[sender].popleft())
             elif kind is _B:
