@@ -1,0 +1,192 @@
+"""The staggered optimizer step: per-stage gradient all-reduce, eager step, post-validated clipping.
+
+Semantics (each stage, each iteration):
+
+1. **Weighted-sum all-reduce.** Every micro-batch's loss was scaled by ``1/M`` in its backward; the
+   stage's live replicas SUM their gradients and multiply by ``1/D`` (D = nominal pipelines). The stage
+   gradient is then the sum over all ``D x M`` global micro-batches normalized by their count, however the
+   micro-batches were spread over replicas. Without absent workers this is exactly DeepSpeed's
+   ``allreduce_bucket`` (sum, then ``mul_(1/D)``). The last stage appends its loss sum to the same buffer.
+2. **Clipping as DeepSpeed 0.19.8 does it.** DeepSpeed's ``clip_grad_norm_`` sums squared per-parameter
+   norms over the pipeline group but counts only parameters of model-parallel rank 0, which for a
+   ``PipelineModule`` is the *first stage*; it then averages the norm over the data-parallel group and
+   scales every gradient by ``min(1, max_norm / (norm + 1e-6))``. :class:`ClipScope` selects that
+   (``FIRST_STAGE``, identical results) or the norm over all stages (``WHOLE_MODEL``).
+3. **Post-validation** (``staggered``): the norm contributions go into one asynchronous all-reduce over
+   every live worker; the stage steps at once, keeping a copy of its parameters and optimizer state. At
+   :meth:`StaggeredOptimizer.finish` (before the next iteration's first op) it reads the global norm; if
+   the step had to be clipped, it restores the copy, scales the gradients and steps again. When the
+   stage's own contribution already proves that clipping is needed, it waits for the norm instead.
+   ``synchronous`` always waits, then clips and steps (DeepSpeed's order).
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ClipScope", "StepOutcome", "StaggeredOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+_EPS = 1e-6  # DeepSpeed's clip_grad_norm_ epsilon
+
+
+class ClipScope(enum.Enum):
+    """Which stages' gradients make up the clipping norm."""
+
+    FIRST_STAGE = "first_stage"
+    """DeepSpeed 0.19.8's ``clip_grad_norm_`` on a ``PipelineModule``: only stage 0's parameters count."""
+    WHOLE_MODEL = "whole_model"
+    """Every stage's parameters count (the textbook global norm)."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one finished optimizer step did."""
+
+    iteration: int
+    norm: float | None
+    """The clipping norm (None when clipping is off)."""
+    clipped: bool
+    """True when the gradients were scaled (and, if stepped eagerly, the step was redone)."""
+
+
+@dataclass
+class _Pending:
+    iteration: int
+    work: Any
+    contribution: torch.Tensor
+    snapshot: tuple[list[torch.Tensor], dict[str, Any]] | None
+    """Parameters and optimizer state before an eager step; None when the step waited for the norm."""
+
+
+class StaggeredOptimizer:
+    """One stage's gradient reduction and optimizer step (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pipelines: int,
+                 dp_group: Any, dp_ranks: list[int], norm_group: Any, max_norm: float,
+                 scope: ClipScope = ClipScope.FIRST_STAGE, lr_scheduler: Any = None) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.stage = stage
+        self.pipelines = pipelines
+        self.dp_group = dp_group
+        self.dp_size = len(dp_ranks)
+        self.norm_group = norm_group
+        self.max_norm = float(max_norm)
+        self.scope = scope
+        self.lr_scheduler = lr_scheduler
+        self.counts = scope is ClipScope.WHOLE_MODEL or stage == 0
+        self.representative = dist.get_rank() == min(dp_ranks)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._pending: _Pending | None = None
+        self.redone_steps = 0
+
+    # 1. gradient all-reduce
+    def reduce(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
+        """SUM-all-reduce the stage gradients (and ``loss_sum``) over the live replicas, scale by 1/D.
+
+        Returns the summed loss over the stage's replicas (None when ``loss_sum`` is None).
+        """
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad.data for p in self.params]
+        parts = grads + ([loss_sum.detach().reshape(1).to(grads[0].dtype)] if loss_sum is not None else [])
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        if self.dp_size > 1:
+            dist.all_reduce(flat, group=self.dp_group)
+        total_loss = flat[-1].clone() if loss_sum is not None else None
+        flat = flat[:flat.numel() - (1 if loss_sum is not None else 0)]
+        flat.mul_(1.0 / self.pipelines)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return total_loss
+
+    # 2. norm
+    def _local_contribution(self) -> torch.Tensor:
+        if not (self.counts and self.representative):
+            return torch.zeros(1)
+        norms = [p.grad.data.detach().float().norm(2.0) for p in self.module.parameters() if p.grad is not None]
+        if not norms:
+            return torch.zeros(1)
+        return torch.stack(norms).pow(2.0).sum().float().reshape(1)
+
+    def _coefficient(self, total_sq: torch.Tensor) -> tuple[torch.Tensor, float]:
+        norm = total_sq.pow(1.0 / 2.0)
+        scaled = norm * 1.0 / float(self.pipelines)
+        averaged = scaled.clone()
+        for _ in range(self.pipelines - 1):  # DeepSpeed's SUM all-reduce of the D identical scaled norms
+            averaged = averaged + scaled
+        coef = torch.tensor([self.max_norm]) / (averaged + _EPS)
+        return torch.min(torch.tensor([1.0]), coef), float(averaged)
+
+    # 3. step
+    def step(self, iteration: int, synchronous: bool) -> None:
+        """Step the optimizer for ``iteration`` (gradients already reduced)."""
+        if self._pending is not None:
+            raise RuntimeError(f"optimizer step of iteration {iteration} before the step of iteration "
+                               f"{self._pending.iteration} was finished; FinishOptimizerStep is missing")
+        if self.max_norm <= 0.0:
+            self.optimizer.step()
+            self._pending = _Pending(iteration, None, torch.zeros(1), None)
+            return
+        contribution = self._local_contribution()
+        work = dist.all_reduce(contribution, group=self.norm_group, async_op=True)
+        must_wait = synchronous or bool(contribution.sqrt() * 1.0 >= self.max_norm)
+        snapshot = None
+        if not must_wait:
+            snapshot = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
+            self.optimizer.step()
+        self._pending = _Pending(iteration, work, contribution, snapshot)
+        if must_wait:
+            self._apply_clip_and_step()
+
+    def _apply_clip_and_step(self) -> tuple[float, bool]:
+        pending = self._pending
+        assert pending is not None and pending.work is not None
+        pending.work.wait()
+        coef, norm = self._coefficient(pending.contribution)
+        clipped = bool(coef.item() < 1.0)
+        if pending.snapshot is not None:
+            if not clipped:
+                return norm, False
+            params, state = pending.snapshot
+            for p, saved in zip(self.params, params):
+                p.data.copy_(saved)
+            self.optimizer.load_state_dict(state)
+            self.redone_steps += 1
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.data.mul_(coef)
+        self.optimizer.step()
+        pending.snapshot = None
+        pending.work = None
+        return norm, clipped
+
+    def finish(self) -> StepOutcome | None:
+        """Validate the pending step (redo it clipped if needed), then zero the gradients."""
+        pending = self._pending
+        if pending is None:
+            return None
+        norm: float | None = None
+        clipped = False
+        if pending.work is not None:
+            norm, clipped = self._apply_clip_and_step()
+        elif self.max_norm > 0.0:
+            norm = float(self._coefficient(pending.contribution)[1])
+        for p in self.module.parameters():
+            p.grad = None
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._pending = None
+        return StepOutcome(pending.iteration, norm, clipped)
