@@ -52,6 +52,8 @@ class GPTConfig:
     """Attention heads; must divide ``d_model``."""
     mlp_ratio: int = 4
     """Hidden width of each MLP as a multiple of ``d_model``."""
+    init_seed: int = 42
+    """Layer ``i`` is initialised from seed ``init_seed + i``, whatever the partition or engine."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "d_model", "n_head", "mlp_ratio"):

@@ -1,0 +1,89 @@
+"""Deterministic fault injection: kill worker (pipeline, stage) at iteration N in a chosen phase.
+
+A fault is written ``PIPELINE:STAGE@ITERATION:PHASE`` on the command line (``--kill 1:0@5:forward``) or
+``{"worker": [1, 0], "iteration": 5, "phase": "forward"}`` in the config. The engine calls
+:meth:`FaultInjector.reached` as it enters each phase; the matching worker then dies by ``SIGKILL``,
+exactly as a crashed process would (no clean-up, no goodbye to its peers).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Iterable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FaultInjector", "FaultSpec", "Phase", "parse_fault"]
+
+
+class Phase(enum.Enum):
+    """Where in an iteration a worker can be killed."""
+
+    FORWARD = "forward"
+    """While computing a forward pass (F)."""
+    BACKWARD_INPUT = "backward-input"
+    """While computing an input gradient (B)."""
+    BACKWARD_WEIGHT = "backward-weight"
+    """While computing weight gradients (W)."""
+    SEND = "send"
+    """While sending an activation or a gradient to a peer."""
+    RECEIVE = "receive"
+    """While waiting to receive an activation or a gradient."""
+    ALL_REDUCE = "all-reduce"
+    """During the stage's gradient all-reduce over its live replicas."""
+    OPTIMIZER_STEP = "optimizer-step"
+    """During the optimizer step, after the all-reduce."""
+    IDLE = "idle"
+    """At the start of the iteration, before the worker's first operation."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Kill worker ``(pipeline, stage)`` the first time it reaches ``phase`` in ``iteration``."""
+
+    pipeline: int
+    stage: int
+    iteration: int
+    phase: Phase
+
+    def __str__(self) -> str:
+        return f"{self.pipeline}:{self.stage}@{self.iteration}:{self.phase.value}"
+
+
+_FAULT = re.compile(r"^(\d+):(\d+)@(\d+):([a-z-]+)$")
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse ``PIPELINE:STAGE@ITERATION:PHASE``; the error names what is wrong and the fix."""
+    m = _FAULT.match(text.strip())
+    phases = ", ".join(p.value for p in Phase)
+    if not m:
+        raise ValueError(f"fault {text!r} is not PIPELINE:STAGE@ITERATION:PHASE; e.g. 1:0@5:forward "
+                         f"(phases: {phases})")
+    try:
+        phase = Phase(m.group(4))
+    except ValueError:
+        raise ValueError(f"fault {text!r}: unknown phase {m.group(4)!r}; use one of {phases}") from None
+    return FaultSpec(int(m.group(1)), int(m.group(2)), int(m.group(3)), phase)
+
+
+class FaultInjector:
+    """Holds the faults aimed at this worker and fires the first one whose moment comes."""
+
+    def __init__(self, faults: Iterable[FaultSpec], pipeline: int, stage: int) -> None:
+        self.pending = sorted((f for f in faults if (f.pipeline, f.stage) == (pipeline, stage)),
+                              key=lambda f: f.iteration)
+
+    def reached(self, iteration: int, phase: Phase) -> None:
+        """Called by the engine as it enters ``phase`` of ``iteration``; never returns if a fault matches."""
+        for fault in self.pending:
+            if fault.iteration == iteration and fault.phase is phase:
+                logger.warning("fault injection: killing this worker (%s)", fault)
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
+                os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,54 @@
+"""The launcher's store: how a worker reaches it, and every key ds_recycle keeps there.
+
+Key layout (all under ``ds_recycle/``; the launcher writes the first two, workers the rest):
+
+=====================================  =========================================================
+``ds_recycle/exit/<rank>``             the worker's exit status, written by its launcher at death
+``ds_recycle/exits``                   counter, incremented at each worker exit (cheap to poll)
+``ds_recycle/hb/<rank>``               heartbeat counter, incremented by the worker every period
+``ds_recycle/epoch/<e>/alive/<rank>``  the worker reached agreement round ``e``
+``ds_recycle/epoch/<e>/members``       the agreed live ranks of round ``e`` (first writer wins)
+=====================================  =========================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["StoreKeys", "connect_store"]
+
+
+@dataclass(frozen=True)
+class StoreKeys:
+    """Builders for the key names above, so no module spells a key by hand."""
+
+    root: str = "ds_recycle"
+
+    def exit(self, rank: int) -> str:
+        return f"{self.root}/exit/{rank}"
+
+    @property
+    def exits(self) -> str:
+        return f"{self.root}/exits"
+
+    def heartbeat(self, rank: int) -> str:
+        return f"{self.root}/hb/{rank}"
+
+    def alive(self, epoch: int, rank: int) -> str:
+        return f"{self.root}/epoch/{epoch}/alive/{rank}"
+
+    def members(self, epoch: int) -> str:
+        return f"{self.root}/epoch/{epoch}/members"
+
+
+def connect_store(timeout_s: float = 30.0, address: str | None = None) -> dist.TCPStore:
+    """A new client of the launcher's store (``$DS_RECYCLE_STORE`` = ``host:port``, set by ``ds-recycle launch``)."""
+    address = address or os.environ.get("DS_RECYCLE_STORE")
+    if not address or ":" not in address:
+        raise RuntimeError("DS_RECYCLE_STORE is not set to host:port: failure survival needs the store of "
+                           "'ds-recycle launch' (the deepspeed launcher and torchrun kill survivors anyway)")
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=timeout_s))

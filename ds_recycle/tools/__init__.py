@@ -1,0 +1,1 @@
+"""Small command-line tools that stand beside training (``ds-recycle compare``)."""

@@ -1,0 +1,130 @@
+"""``launch/train.py``: train the GPT from a DeepSpeed JSON config, with DeepSpeed's engine or ds_recycle's.
+
+    ds-recycle launch --num_accelerators 4 launch/train.py --deepspeed_config configs/gpt_cpu_2x2.json \\
+        --steps 30 --metrics runs/m.jsonl --save-final runs/final.pt
+    deepspeed --num_accelerators 4 launch/train.py --deepspeed_config configs/gpt_cpu_2x2.json --vanilla
+    torchrun --nproc_per_node 4 launch/train.py --deepspeed_config configs/gpt_cpu_2x2.json --vanilla
+    python launch/train.py --deepspeed_config configs/gpt_cpu_2x2.json --dry-run   # check the config only
+
+Only ``ds-recycle launch`` keeps survivors alive when a worker dies; under the other launchers the
+script trains the same model but a failure ends the job.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Sequence
+
+from ds_recycle.config import ConfigError, TrainConfig, load_config
+
+logger = logging.getLogger("ds_recycle.train")
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config with a 'recycle' section")
+    p.add_argument("--steps", type=int, default=30, help="iterations to train (default 30)")
+    p.add_argument("--metrics", default=None, help="JSON Lines file, one record per iteration")
+    p.add_argument("--save-final", dest="save_final", default=None,
+                   help="torch.save the whole model's final parameters, by name, to this file")
+    p.add_argument("--vanilla", action="store_true", help="run DeepSpeed's stock PipelineEngine (the baseline)")
+    p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
+                   help="wandb mode (default: $WANDB_MODE, else offline)")
+    p.add_argument("--run-name", default=None, help="wandb run name")
+    p.add_argument("--log-interval", type=int, default=5, help="progress line every N iterations on the reporter")
+    p.add_argument("--dry-run", action="store_true", help="validate the config, print it resolved, start nothing")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by `deepspeed`
+    p.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: train at least one iteration")
+    return args
+
+
+def _configure_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def _load(args: argparse.Namespace) -> TrainConfig:
+    cfg = load_config(args.deepspeed_config)
+    if args.vanilla and cfg.recycle.enabled:
+        from dataclasses import replace
+
+        cfg = replace(cfg, recycle=replace(cfg.recycle, enabled=False))
+    return cfg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    _configure_logging(int(os.environ.get("RANK", "0")))
+    try:
+        cfg = _load(args)
+        if args.dry_run:
+            print(json.dumps(cfg.resolved(), indent=2))
+            return 0
+        if "WORLD_SIZE" in os.environ:
+            cfg.check_world_size(int(os.environ["WORLD_SIZE"]))
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
+    return _train(cfg, args)
+
+
+def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    from ds_recycle.train.distributed import init_worker
+    from ds_recycle.train.metrics import MetricsWriter
+
+    world = init_worker()
+    cfg.check_world_size(world.world_size)
+    runner = _make_runner(cfg, world)
+    metrics = None
+    if runner.is_reporter():
+        logger.info("resolved config: %s", json.dumps(cfg.resolved()))
+        tokens = cfg.recycle.pipelines * cfg.micro_batches * cfg.micro_batch_size * cfg.recycle.model.seq_len
+        metrics = MetricsWriter(args.metrics, tokens, cfg.resolved(), args.wandb or os.environ.get("WANDB_MODE",
+                                "offline"), run_name=args.run_name)
+    first_loss = last_loss = None
+    for it in range(args.steps):
+        t0 = time.perf_counter()
+        result = runner.train_iteration(it)
+        dt = time.perf_counter() - t0
+        if metrics is not None:
+            rec = metrics.record(it, result, dt)
+            first_loss = result.loss if first_loss is None else first_loss
+            last_loss = result.loss
+            if it % args.log_interval == 0 or it == args.steps - 1:
+                logger.info("iter %d/%d loss %.4f %.0f ms %.0f tokens/s live %d rerouted %d", it + 1, args.steps,
+                            result.loss or float("nan"), dt * 1e3, rec["tokens_per_s"] or 0.0,
+                            result.live_workers, result.rerouted_microbatches)
+    state = runner.gather_final_state() if args.save_final else None
+    if state is not None:
+        import torch
+
+        torch.save(state, args.save_final)
+        logger.info("saved %d tensors to %s", len(state), args.save_final)
+    if metrics is not None:
+        metrics.close({"first_loss": first_loss, "final_loss": last_loss})
+    runner.close()
+    return 0
+
+
+def _make_runner(cfg: TrainConfig, world: "object") -> "object":
+    if not cfg.recycle.enabled:
+        from ds_recycle.train.vanilla import VanillaRunner
+
+        return VanillaRunner(cfg, world)  # type: ignore[arg-type]
+    from ds_recycle.engine.runner import RecycleRunner
+
+    return RecycleRunner(cfg, world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

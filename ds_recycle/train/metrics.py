@@ -1,0 +1,73 @@
+"""Per-iteration metrics: a JSON Lines file and wandb, written by the one reporting rank.
+
+JSON Lines record (one per iteration)::
+
+    {"iter": 7, "loss": 2.91, "iter_time_s": 0.41, "tokens_per_s": 5012.3,
+     "live_workers": 4, "rerouted_microbatches": 0, "events": [], "time_s": 3.2}
+
+wandb receives the same numbers under grouped names with units (:data:`WANDB_KEYS`). wandb runs
+offline unless ``WANDB_MODE`` or ``--wandb`` says otherwise; offline runs land in
+``$WANDB_DIR/wandb/offline-run-*`` and can be uploaded later with ``wandb sync``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from ds_recycle.train.runner import IterationResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MetricsWriter", "WANDB_KEYS"]
+
+WANDB_KEYS: dict[str, str] = {
+    "loss": "train/loss",
+    "iter_time_s": "time/iteration(s)",
+    "tokens_per_s": "throughput/tokens(1/s)",
+    "live_workers": "resilience/live_workers",
+    "rerouted_microbatches": "resilience/rerouted_microbatches",
+}
+
+
+class MetricsWriter:
+    """Writes one record per iteration to JSON Lines (optional) and wandb (unless disabled)."""
+
+    def __init__(self, path: str | None, tokens_per_iteration: int, run_config: dict[str, Any],
+                 wandb_mode: str, run_name: str | None = None, project: str = "ds_recycle") -> None:
+        self.tokens_per_iteration = tokens_per_iteration
+        self.start = time.monotonic()
+        self._file: TextIO | None = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w", encoding="utf-8")
+        self._wandb: Any = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=project, name=run_name, config=run_config, mode=wandb_mode,
+                                     dir=os.environ.get("WANDB_DIR"))
+
+    def record(self, iteration: int, result: IterationResult, iter_time_s: float) -> dict[str, Any]:
+        """Write and return the record of one iteration."""
+        rec = {"iter": iteration, "loss": result.loss, "iter_time_s": iter_time_s,
+               "tokens_per_s": self.tokens_per_iteration / iter_time_s if iter_time_s > 0 else None,
+               "live_workers": result.live_workers, "rerouted_microbatches": result.rerouted_microbatches,
+               "events": list(result.events), "time_s": time.monotonic() - self.start}
+        if self._file:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({WANDB_KEYS[k]: rec[k] for k in WANDB_KEYS if rec[k] is not None}, step=iteration)
+        return rec
+
+    def close(self, summary: dict[str, Any]) -> None:
+        if self._file:
+            self._file.close()
+        if self._wandb is not None:
+            for key, value in summary.items():
+                self._wandb.summary[key] = value
+            self._wandb.finish()

@@ -1,0 +1,49 @@
+"""The seam between the training loop and an engine.
+
+The loop (:mod:`ds_recycle.train.loop`) knows nothing of pipelines: it asks a :class:`Runner` for
+one iteration at a time, and the one live rank for which :meth:`Runner.is_reporter` is true writes
+the metrics. :class:`ds_recycle.train.vanilla.VanillaRunner` drives DeepSpeed's stock
+``PipelineEngine``; ``ds_recycle.engine.runner.RecycleRunner`` drives ds_recycle's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["IterationResult", "Runner"]
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    """What one training iteration reports."""
+
+    loss: float | None
+    """Mean loss over the global batch; ``None`` on ranks that do not know it."""
+    live_workers: int
+    """Workers alive during the iteration."""
+    rerouted_microbatches: int
+    """Micro-batches processed, at some stage, by a worker of another pipeline."""
+    events: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    """Failures, agreements, plan switches, rejoins... that happened in this iteration."""
+
+
+class Runner(Protocol):
+    """One engine, driven one iteration at a time."""
+
+    def train_iteration(self, iteration: int) -> IterationResult:
+        """Train on the global batch of ``iteration`` (its data is a pure function of the number)."""
+        ...
+
+    def is_reporter(self) -> bool:
+        """True on exactly one live rank: the one that knows the loss and writes metrics."""
+        ...
+
+    def gather_final_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's parameters by name, all stages, on the reporter (``None`` elsewhere)."""
+        ...
+
+    def close(self) -> None:
+        """Release process groups (called once, at the end)."""
+        ...

@@ -1,0 +1,50 @@
+"""DeepSpeed's stock ``PipelineEngine`` behind the :class:`~ds_recycle.train.runner.Runner` seam: the baseline."""
+from __future__ import annotations
+
+import logging
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ds_recycle.config import TrainConfig
+from ds_recycle.data import MicroBatchSource
+from ds_recycle.model import build_pipeline_module
+from ds_recycle.train.distributed import World
+from ds_recycle.train.optim import build_optimizer
+from ds_recycle.train.runner import IterationResult
+from ds_recycle.train.state import gather_state_dict
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VanillaRunner"]
+
+
+class VanillaRunner:
+    """Vanilla DeepSpeed: 1F1B, fused backward, one synchronous optimizer step, no failure survival."""
+
+    def __init__(self, cfg: TrainConfig, world: World) -> None:
+        if cfg.recycle.assume_failed:
+            raise ValueError("config key 'recycle.assume_failed': vanilla DeepSpeed cannot run with absent workers. "
+                             "Fix: set recycle.enabled to true, or empty assume_failed")
+        self.world = world
+        module = build_pipeline_module(cfg.recycle.model, cfg.recycle.stages)
+        optimizer = build_optimizer(cfg, module.parameters())
+        self.engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=cfg.deepspeed)
+        self.source = MicroBatchSource(cfg)
+        self.pipeline = self.engine.grid.get_data_parallel_id()
+
+    def train_iteration(self, iteration: int) -> IterationResult:
+        loss = self.engine.train_batch(data_iter=self.source.iteration(iteration, self.pipeline))
+        return IterationResult(loss=float(loss), live_workers=self.world.world_size, rerouted_microbatches=0)
+
+    def is_reporter(self) -> bool:
+        return self.world.rank == 0
+
+    def gather_final_state(self) -> dict[str, torch.Tensor] | None:
+        return gather_state_dict(self.engine.module, contributes=self.pipeline == 0)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
