@@ -64,6 +64,16 @@ class _Slot:
     weight_work: WeightGradWork | None = None
 
 
+def _served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset[int], bool]:
+    """Owner pipelines of ``worker``'s micro-batches, and whether any replica of its stage serves several."""
+    stage = worker[1]
+    served: dict[tuple[int, int], set[int]] = {}
+    for d in range(plan.pipelines):
+        for i in range(plan.microbatches):
+            served.setdefault(plan.worker_of(stage, (d, i)), set()).add(d)
+    return frozenset(served.get(worker, set())), any(len(v) > 1 for v in served.values())
+
+
 @contextlib.contextmanager
 def _without_pipe_handshake() -> Iterator[None]:
     """Skip ``PipelineEngine.__init__``'s warm-up send to the same-pipeline neighbour (absent with holes)."""
@@ -94,12 +104,13 @@ class RecyclePipelineEngine(PipelineEngine):
         self.synchronous = plan.optimizer == "synchronous"
         self._schedules = [self._make_schedule(k) for k in range(plan.iterations)]
         self.capture = OwnerCapture(self.module)
+        served, stage_rerouted = _served_pipelines(plan, self.worker)
         self.channel = PeerChannel(self.grid.p2p_group, self.workers.pipelines, self.micro_batches)
         self.stepper = StaggeredOptimizer(
             self.module, self.optimizer, stage=self.stage_id, pipelines=self.workers.pipelines,
             dp_group=self.grid.get_data_parallel_group(), dp_ranks=self.grid.get_data_parallel_group_ranks(),
             norm_group=self.grid.norm_group, max_norm=self.gradient_clipping(), scope=clip_scope,
-            lr_scheduler=self.lr_scheduler)
+            lr_scheduler=self.lr_scheduler, served=served, stage_rerouted=stage_rerouted)
         self.reporter_rank = min(self.workers.stage_ranks(self.num_stages - 1))
         self.iteration = 0
         self.slots: dict[int, _Slot] = {}
@@ -194,7 +205,8 @@ class RecyclePipelineEngine(PipelineEngine):
     def _exec_backward_weight(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self.slots.pop(buffer_id)
         assert slot.weight_work is not None, f"W of {micro_batch} before its B"
-        slot.weight_work.run()
+        with self.stepper.accumulating_for(micro_batch[0]):
+            slot.weight_work.run()
 
     # ------------------------------------------------------------------ communication
     def _exec_send_activation_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:

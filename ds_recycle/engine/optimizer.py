@@ -7,6 +7,10 @@ Semantics (each stage, each iteration):
    gradient is then the sum over all ``D x M`` global micro-batches normalized by their count, however the
    micro-batches were spread over replicas. Without absent workers this is exactly DeepSpeed's
    ``allreduce_bucket`` (sum, then ``mul_(1/D)``). The last stage appends its loss sum to the same buffer.
+   When a worker of the stage serves several pipelines (re-routing), it keeps one gradient sum *per owner
+   pipeline* (:meth:`StaggeredOptimizer.accumulating_for`); the replicas all-reduce a ``[D, N]`` table in
+   which each row is non-zero on one rank only (so the sum is exact) and add the rows in pipeline order,
+   which is the order DeepSpeed's all-reduce adds the replicas' sums (exact for D = 2).
 2. **Clipping as DeepSpeed 0.19.8 does it.** DeepSpeed's ``clip_grad_norm_`` sums squared per-parameter
    norms over the pipeline group but counts only parameters of model-parallel rank 0, which for a
    ``PipelineModule`` is the *first stage*; it then averages the norm over the data-parallel group and
@@ -21,9 +25,11 @@ Semantics (each stage, each iteration):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +78,8 @@ class StaggeredOptimizer:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pipelines: int,
                  dp_group: Any, dp_ranks: list[int], norm_group: Any, max_norm: float,
-                 scope: ClipScope = ClipScope.FIRST_STAGE, lr_scheduler: Any = None) -> None:
+                 scope: ClipScope = ClipScope.FIRST_STAGE, lr_scheduler: Any = None,
+                 served: frozenset[int] = frozenset(), stage_rerouted: bool = False) -> None:
         self.module = module
         self.optimizer = optimizer
         self.stage = stage
@@ -88,6 +95,36 @@ class StaggeredOptimizer:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._pending: _Pending | None = None
         self.redone_steps = 0
+        self.served = served
+        """Owner pipelines of the micro-batches this worker processes."""
+        self.stage_rerouted = stage_rerouted
+        """True when some replica of this stage serves more than one pipeline (per-pipeline sums needed)."""
+        self._bank: dict[int, list[torch.Tensor | None]] = {}
+
+    @contextlib.contextmanager
+    def accumulating_for(self, pipeline: int) -> Iterator[None]:
+        """Inside, weight gradients accumulate into ``pipeline``'s own sum (only when serving several)."""
+        if len(self.served) <= 1:
+            yield
+            return
+        bank = self._bank.setdefault(pipeline, [None] * len(self.params))
+        for p, g in zip(self.params, bank):
+            p.grad = g
+        try:
+            yield
+        finally:
+            for n, p in enumerate(self.params):
+                bank[n] = p.grad
+                p.grad = None
+
+    def _rows(self) -> dict[int, list[torch.Tensor]]:
+        """This worker's gradient sum per owner pipeline."""
+        if len(self.served) <= 1:
+            grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            return {pipeline: grads for pipeline in self.served} or {0: grads}
+        bank, self._bank = self._bank, {}
+        return {d: [g if g is not None else torch.zeros_like(p) for g, p in zip(bank.get(d, [None] * len(self.params)),
+                                                                             self.params)] for d in self.served}
 
     # 1. gradient all-reduce
     def reduce(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
@@ -95,6 +132,8 @@ class StaggeredOptimizer:
 
         Returns the summed loss over the stage's replicas (None when ``loss_sum`` is None).
         """
+        if self.stage_rerouted:
+            return self._reduce_rows(loss_sum)
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -110,6 +149,27 @@ class StaggeredOptimizer:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        return total_loss
+
+    def _reduce_rows(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
+        rows = self._rows()
+        numel = sum(p.numel() for p in self.params)
+        table = torch.zeros(self.pipelines, numel + 1)
+        for d, grads in rows.items():
+            table[d, :numel] = torch.cat([g.reshape(-1) for g in grads])
+        if loss_sum is not None:
+            table[0, numel] = loss_sum.detach().reshape(())
+        if self.dp_size > 1:
+            dist.all_reduce(table, group=self.dp_group)
+        flat = table[0].clone()
+        for d in range(1, self.pipelines):
+            flat = flat + table[d]
+        total_loss = flat[numel].clone() if loss_sum is not None else None
+        flat = flat[:numel].mul_(1.0 / self.pipelines)
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
         return total_loss
 
     # 2. norm
