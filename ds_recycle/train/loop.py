@@ -33,6 +33,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics", default=None, help="JSON Lines file, one record per iteration")
     p.add_argument("--save-final", dest="save_final", default=None,
                    help="torch.save the whole model's final parameters, by name, to this file")
+    p.add_argument("--checkpoint-dir", dest="checkpoint_dir", default=None,
+                   help="directory of periodic DeepSpeed checkpoints (with the data position)")
+    p.add_argument("--checkpoint-interval", dest="checkpoint_interval", type=int, default=0,
+                   help="save a checkpoint every N iterations (0: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir, if there is one")
     p.add_argument("--vanilla", action="store_true", help="run DeepSpeed's stock PipelineEngine (the baseline)")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                    help="wandb mode (default: $WANDB_MODE, else offline)")
@@ -44,6 +50,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps {args.steps}: train at least one iteration")
+    if (args.checkpoint_interval or args.resume) and not args.checkpoint_dir:
+        p.error("--checkpoint-interval/--resume need --checkpoint-dir DIR")
+    if args.checkpoint_interval < 0:
+        p.error(f"--checkpoint-interval {args.checkpoint_interval}: use 0 (never) or a positive number")
     return args
 
 
@@ -91,8 +101,9 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
         tokens = cfg.recycle.pipelines * cfg.micro_batches * cfg.micro_batch_size * cfg.recycle.model.seq_len
         metrics = MetricsWriter(args.metrics, tokens, cfg.resolved(), args.wandb or os.environ.get("WANDB_MODE",
                                 "offline"), run_name=args.run_name)
+    start = _resume(runner, args)
     first_loss = last_loss = None
-    for it in range(args.steps):
+    for it in range(start, args.steps):
         t0 = time.perf_counter()
         result = runner.train_iteration(it)
         dt = time.perf_counter() - t0
@@ -104,6 +115,8 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
                 logger.info("iter %d/%d loss %.4f %.0f ms %.0f tokens/s live %d rerouted %d", it + 1, args.steps,
                             result.loss or float("nan"), dt * 1e3, rec["tokens_per_s"] or 0.0,
                             result.live_workers, result.rerouted_microbatches)
+        if args.checkpoint_interval and (it + 1) % args.checkpoint_interval == 0 and it + 1 < args.steps:
+            runner.save_checkpoint(args.checkpoint_dir, it + 1)
     state = runner.gather_final_state() if args.save_final else None
     if state is not None:
         import torch
@@ -114,6 +127,18 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
         metrics.close({"first_loss": first_loss, "final_loss": last_loss})
     runner.close()
     return 0
+
+
+def _resume(runner: "object", args: argparse.Namespace) -> int:
+    """The first iteration to run: 0, or the data position saved with the latest checkpoint."""
+    if not args.resume:
+        return 0
+    start = runner.load_checkpoint(args.checkpoint_dir)  # type: ignore[attr-defined]
+    if start is None:
+        logger.info("no checkpoint in %s: starting at iteration 0", args.checkpoint_dir)
+        return 0
+    logger.info("resumed from %s at iteration %d", args.checkpoint_dir, start)
+    return start
 
 
 def _make_runner(cfg: TrainConfig, world: "object") -> "object":

@@ -44,6 +44,14 @@ class Runner(Protocol):
         """The whole model's parameters by name, all stages, on the reporter (``None`` elsewhere)."""
         ...
 
+    def save_checkpoint(self, directory: str, next_iteration: int) -> None:
+        """Save a checkpoint from which training resumes at ``next_iteration`` (every rank calls it)."""
+        ...
+
+    def load_checkpoint(self, directory: str) -> int | None:
+        """Load the latest checkpoint in ``directory``; the iteration to resume at, or ``None`` if there is none."""
+        ...
+
     def close(self) -> None:
         """Release process groups (called once, at the end)."""
         ...

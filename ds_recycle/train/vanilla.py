@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -43,6 +44,18 @@ class VanillaRunner:
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         return gather_state_dict(self.engine.module, contributes=self.pipeline == 0)
+
+    def save_checkpoint(self, directory: str, next_iteration: int) -> None:
+        self.engine.save_checkpoint(directory, tag=f"iter{next_iteration}",
+                                    client_state={"next_iteration": next_iteration})
+
+    def load_checkpoint(self, directory: str) -> int | None:
+        if not (Path(directory) / "latest").is_file():
+            return None
+        path, client = self.engine.load_checkpoint(directory)
+        if path is None:
+            raise RuntimeError(f"checkpoint in {directory} could not be loaded (see DeepSpeed's log above)")
+        return int(client["next_iteration"])
 
     def close(self) -> None:
         if dist.is_initialized():
