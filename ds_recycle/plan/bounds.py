@@ -1,0 +1,65 @@
+"""The plan format's lower bound on the makespan, and the best possible time of an adapted plan."""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from ds_recycle.plan.costs import CostModel
+from ds_recycle.plan.errors import PlanError, StageLostError
+from ds_recycle.plan.ops import Worker
+
+__all__ = ["lower_bound", "best_possible", "failures_per_stage", "check_shape"]
+
+
+def check_shape(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int = 1) -> None:
+    """Raise :class:`PlanError` naming the argument if the shape is impossible."""
+    for name, value in (("stages", stages), ("pipelines", pipelines), ("microbatches", microbatches),
+                        ("iterations", iterations)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} = {value!r}: must be an integer >= 1")
+    if costs.stages != stages:
+        raise PlanError(f"the cost model has {costs.stages} stages but the plan has {stages}: "
+                        f"give one cost per stage")
+
+
+def failures_per_stage(failed: Iterable[Worker], stages: int, pipelines: int) -> list[int]:
+    """``f_s`` for each stage; checks every failed worker exists and no stage is wholly lost."""
+    counts = [0] * stages
+    for worker in set(map(tuple, failed)):
+        p, s = worker
+        if not (0 <= p < pipelines and 0 <= s < stages):
+            raise PlanError(f"failed worker {p}:{s} is outside {pipelines} pipelines x {stages} stages "
+                            f"(pipeline:stage, 0-based)")
+        counts[s] += 1
+    for s, f in enumerate(counts):
+        if f >= pipelines:
+            raise StageLostError(s, pipelines)
+    return counts
+
+
+def lower_bound(stages: int, pipelines: int, microbatches: int, costs: CostModel,
+                failed: Iterable[Worker] = (), iterations: int = 1) -> float:
+    """``max_s [sum_{j<s}(F_j + comm) + ceil(K*D*M/(D - f_s)) * (F_s+B_s+W_s) + K*O_s]``."""
+    check_shape(stages, pipelines, microbatches, costs, iterations)
+    f = failures_per_stage(failed, stages, pipelines)
+    best, prefix = 0.0, 0.0
+    for s in range(stages):
+        load = math.ceil(iterations * pipelines * microbatches / (pipelines - f[s]))
+        best = max(best, prefix + load * costs.work(s) + iterations * costs.O[s])
+        prefix += costs.F[s] + costs.comm
+    return best
+
+
+def best_possible(stages: int, pipelines: int, microbatches: int, costs: CostModel,
+                  failed: Iterable[Worker] = (), iterations: int = 1, *, optimizer: str = "staggered",
+                  memory_limit: int | None = None) -> float:
+    """Larger of the lower bound and the makespan of the best failure-free plan of the same shape.
+
+    "Best failure-free plan" is the best the planner finds without failures (zero-bubble and adaptive
+    schedules, same optimizer and memory limit), so the figure is as good as the planner's own.
+    """
+    from ds_recycle.plan.schedules import best_failure_free
+    bound = lower_bound(stages, pipelines, microbatches, costs, failed, iterations)
+    free = best_failure_free(stages, pipelines, microbatches, costs, iterations=iterations,
+                             optimizer=optimizer, memory_limit=memory_limit)
+    return max(bound, free.makespan)

@@ -1,0 +1,234 @@
+"""The greedy list scheduler: builds every live worker's op order and times in one event-driven pass.
+
+Each worker, whenever it is free, picks among the ops it can run now, by a :class:`Policy`:
+
+* B first (it is on the critical path: the previous stage waits for its gradient), then F (if the
+  memory limit and the warm-up cap allow another micro-batch in flight), and W only to fill time in which
+  neither is ready, or when memory is full (W frees a micro-batch's activations). With ``fused`` the W
+  follows its B at once (DeepSpeed's 1F1B).
+* Within a kind, the lowest micro-batch rank ``index * D + owner`` goes first.
+* Incoming transfers are consumed in the order each sender sent them (one FIFO queue per sending
+  worker), so the order of messages on every worker-to-worker channel is the same at both ends, and a
+  worker's order can be run with point-to-point transfers that match by order alone.
+* A worker finishing its F, B and W of an iteration waits at its O; the O of a stage (of every stage
+  with a synchronous optimizer) starts when its last live worker gets there.
+
+The pass is exact for the op order it builds: the times are those :func:`simulate` gives that order.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from ds_recycle.plan.costs import CostModel
+from ds_recycle.plan.errors import DeadlockError
+from ds_recycle.plan.ops import MicroBatch, Op, OpKind, Worker
+from ds_recycle.plan.routing import Routing
+
+__all__ = ["Policy", "list_schedule"]
+
+_INF = math.inf
+_F, _B, _W, _O = OpKind.F, OpKind.B, OpKind.W, OpKind.O
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The knobs of one greedy variant."""
+
+    fused: bool = False
+    """W right after its B (1F1B as DeepSpeed runs it) instead of deferred."""
+    warmup: int | None = None
+    """Most micro-batches with F done and B not yet done at stage s: ``S - s + warmup``; None: no cap."""
+    memory_limit: int | None = None
+    """Most micro-batches held (start of F to end of W) per worker; None: no limit."""
+    forward_first: bool = False
+    """Prefer a ready F over a ready B (feeds a loaded downstream stage sooner)."""
+    fit_w: bool = False
+    """Start a W only if it ends before the next F or B already on its way arrives (else wait for that)."""
+    alternate: bool = False
+    """Once the warm-up cap is reached, strictly alternate B and F (1F1B's order of F and B), with W
+    filling the time in which the op due next is not ready: ZB-H1's construction."""
+
+
+class _Worker:
+    """Mutable state of one worker during the pass."""
+
+    __slots__ = ("key", "stage", "fin", "bin", "wq", "held", "open", "free", "iteration", "left",
+                 "ops", "version", "waiting", "f_cap", "f_left", "expect")
+
+    def __init__(self, key: Worker, f_cap: float) -> None:
+        self.key, self.stage = key, key[1]
+        self.fin: dict[int, deque] = {}
+        self.bin: dict[int, deque] = {}
+        self.wq: deque = deque()
+        self.held = self.open = self.iteration = self.left = self.version = 0
+        self.free = 0.0
+        self.ops: list[Op] = []
+        self.waiting = False
+        self.f_cap = f_cap
+        self.f_left = 0
+        self.expect: OpKind | None = None
+
+
+def list_schedule(stages: int, pipelines: int, microbatches: int, costs: CostModel, routing: Routing,
+                  failed: frozenset[Worker], iterations: int, synchronous: bool,
+                  policy: Policy) -> dict[Worker, tuple[Op, ...]]:
+    """Every live worker's ops, in order, with times."""
+    run = _Pass(stages, pipelines, microbatches, costs, routing, failed, iterations, synchronous, policy)
+    run.loop()
+    unfinished = [w.key for w in run.workers.values() if len(w.ops) != 3 * run.load[w.key] * iterations + iterations]
+    if unfinished:
+        raise DeadlockError(f"greedy variant {policy} stalled on workers {unfinished}")
+    return {w.key: tuple(w.ops) for w in run.workers.values()}
+
+
+class _Pass:
+    def __init__(self, stages: int, pipelines: int, microbatches: int, costs: CostModel, routing: Routing,
+                 failed: frozenset[Worker], iterations: int, synchronous: bool, policy: Policy) -> None:
+        self.S, self.D, self.M, self.K = stages, pipelines, microbatches, iterations
+        self.costs, self.routing, self.sync, self.policy = costs, routing, synchronous, policy
+        self.mem = _INF if policy.memory_limit is None else policy.memory_limit
+        self.workers: dict[Worker, _Worker] = {}
+        for s in range(stages):
+            cap = _INF if policy.warmup is None else max(1, stages - s + policy.warmup)
+            for p in range(pipelines):
+                if (p, s) not in failed:
+                    self.workers[(p, s)] = _Worker((p, s), cap)
+        self.load = {w: 0 for w in self.workers}
+        for s, table in enumerate(routing):
+            for p in table.values():
+                self.load[(p, s)] += 1
+        self.heap: list = []
+        self.arrived: dict[tuple[int, int], list[_Worker]] = {}
+        self.group_size: dict[int, int] = {}
+        for w in self.workers.values():
+            g = -1 if synchronous else w.stage
+            self.group_size[g] = self.group_size.get(g, 0) + 1
+        for w in self.workers.values():
+            self._start_iteration(w, 0, 0.0)
+
+    def _start_iteration(self, w: _Worker, k: int, at: float) -> None:
+        w.iteration, w.left, w.waiting = k, 3 * self.load[w.key], False
+        w.f_left, w.expect = self.load[w.key], None
+        if w.stage == 0:
+            mbs = sorted((mb for mb, p in self.routing[0].items() if p == w.key[0]),
+                         key=lambda mb: mb[1] * self.D + mb[0])
+            w.fin[-1] = deque((at, mb[1] * self.D + mb[0], mb, k) for mb in mbs)
+        self._push(w)
+
+    def _push(self, w: _Worker) -> None:
+        w.version += 1
+        t = self._decide(w)[0]
+        if t < _INF:
+            heapq.heappush(self.heap, (t, w.stage, w.key[0], w.version, w))
+
+    def _heads(self, w: _Worker, queues: dict[int, deque]) -> tuple[float, tuple | None, int]:
+        """Earliest-ready head of the iteration, lowest rank on ties; returns (ready, item, sender)."""
+        best: tuple | None = None
+        best_sender, best_ready = -2, _INF
+        for sender, q in queues.items():
+            if q:
+                item = q[0]
+                if item[3] == w.iteration and (item[0], item[1]) < (best_ready, best[1] if best else 0):
+                    best, best_sender, best_ready = item, sender, item[0]
+        return best_ready, best, best_sender
+
+    def _decide(self, w: _Worker) -> tuple[float, OpKind | None, int]:
+        """When w next starts an op, which kind, and from which queue."""
+        if w.waiting:
+            return _INF, None, 0
+        expect = w.expect
+        b_ready, _, b_from = self._heads(w, w.bin) if expect is not _F else (_INF, None, 0)
+        f_ok = w.held < self.mem and w.open < w.f_cap and expect is not _B
+        f_ready, _, f_from = self._heads(w, w.fin) if f_ok else (_INF, None, 0)
+        w_ready = w.free if w.wq else _INF
+        if self.policy.fit_w and w.wq and min(b_ready, f_ready) < w.free + self.costs.W[w.stage] - 1e-12:
+            w_ready = _INF
+        t = max(w.free, min(b_ready, f_ready, w_ready))
+        if t == _INF:
+            return _INF, None, 0
+        order = ((f_ready, _F, f_from), (b_ready, _B, b_from)) if self.policy.forward_first else \
+            ((b_ready, _B, b_from), (f_ready, _F, f_from))
+        for ready, kind, sender in order:
+            if ready <= t:
+                return t, kind, sender
+        return t, _W, 0
+
+    def loop(self) -> None:
+        heap = self.heap
+        while heap:
+            t, _, _, version, w = heapq.heappop(heap)
+            if version != w.version:
+                continue
+            t, kind, sender = self._decide(w)
+            if kind is _F:
+                self._run_f(w, t, w.fin[sender].popleft())
+            elif kind is _B:
+                self._run_b(w, t, w.bin[sender].popleft())
+            elif kind is _W:
+                self._run_w(w, t)
+            self._push(w)
+
+    def _emit(self, w: _Worker, kind: OpKind, k: int, mb: MicroBatch | None, start: float) -> float:
+        end = start + self.costs.of(kind.value, w.stage)
+        w.ops.append(Op(kind, k, mb, start, end))
+        w.free = end
+        return end
+
+    def _send(self, table: int, mb: MicroBatch, queue: str, item: tuple, sender: int) -> None:
+        r = self.workers[(self.routing[table][mb], table)]
+        qs = r.fin if queue == "f" else r.bin
+        qs.setdefault(sender, deque()).append(item)
+        self._push(r)
+
+    def _run_f(self, w: _Worker, t: float, item: tuple) -> None:
+        _, rank, mb, k = item
+        end = self._emit(w, _F, k, mb, t)
+        w.held += 1
+        w.open += 1
+        w.left -= 1
+        w.f_left -= 1
+        if self.policy.alternate and w.open >= w.f_cap:
+            w.expect = _B
+        if w.stage < self.S - 1:
+            self._send(w.stage + 1, mb, "f", (end + self.costs.comm, rank, mb, k), w.key[0])
+        else:
+            w.bin.setdefault(-1, deque()).append((end, rank, mb, k))
+
+    def _run_b(self, w: _Worker, t: float, item: tuple) -> None:
+        _, rank, mb, k = item
+        end = self._emit(w, _B, k, mb, t)
+        w.open -= 1
+        w.left -= 1
+        w.wq.append((mb, k))
+        if self.policy.alternate:
+            w.expect = _F if w.f_left > 0 else None
+        if self.policy.fused:
+            end = self._run_w(w, end)
+        if w.stage > 0:
+            self._send(w.stage - 1, mb, "b", (end + self.costs.comm, rank, mb, k), w.key[0])
+
+    def _run_w(self, w: _Worker, t: float) -> float:
+        mb, k = w.wq.popleft()
+        end = self._emit(w, _W, k, mb, t)
+        w.held -= 1
+        w.left -= 1
+        if w.left == 0:
+            self._arrive(w)
+        return end
+
+    def _arrive(self, w: _Worker) -> None:
+        w.waiting = True
+        group = (-1 if self.sync else w.stage, w.iteration)
+        members = self.arrived.setdefault(group, [])
+        members.append(w)
+        if len(members) < self.group_size[group[0]]:
+            return
+        start = max(m.free for m in members)
+        for m in members:
+            self._emit(m, _O, group[1], None, start)
+            if group[1] + 1 < self.K:
+                self._start_iteration(m, group[1] + 1, m.free)
+        del self.arrived[group]

@@ -1,0 +1,99 @@
+"""Plans from integers: 1F1B, ZB-H1 and the adaptive planner, with or without failed workers.
+
+    plan = make_plan(4, 2, 8, CostModel.uniform(4), failed=[(1, 2)], iterations=2)
+
+* ``"1f1b"``: DeepSpeed's schedule: stage s runs at most ``S - s`` micro-batches ahead, B and W fused.
+* ``"zb-h1"``: the zero-bubble ZB-H1 family ("Zero Bubble Pipeline Parallelism", arXiv 2401.10241):
+  B early, W deferred into idle time, and no worker holding more than S micro-batches (1F1B's first stage).
+* ``"adaptive"``: the best (smallest makespan) of several greedy variants (:data:`ADAPTIVE_VARIANTS`),
+  each obeying ``memory_limit``. ``memory_limit=None`` means no limit; the benchmark also reports plans
+  under a limit.
+
+Failed workers' micro-batches are re-routed to their live peers by :func:`ds_recycle.plan.routing.route`
+in every schedule; when a stage has lost every worker, :class:`StageLostError` says so.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Iterable
+
+from ds_recycle.plan.bounds import check_shape, failures_per_stage
+from ds_recycle.plan.costs import CostModel
+from ds_recycle.plan.errors import PlanError
+from ds_recycle.plan.listsched import Policy, list_schedule
+from ds_recycle.plan.ops import Worker
+from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan
+from ds_recycle.plan.routing import route
+
+__all__ = ["make_plan", "best_failure_free", "ADAPTIVE_VARIANTS", "policies_for"]
+
+logger = logging.getLogger(__name__)
+
+ADAPTIVE_VARIANTS: tuple[tuple[int | None, bool], ...] = ((None, False), (0, True), (0, False), (1, True),
+                                                         (1, False), (None, True))
+"""(warm-up cap beyond ``S - s`` or None for none, forward first) of each greedy variant tried, in order."""
+
+
+def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[Policy, ...]:
+    """The greedy variants a schedule tries, best kept."""
+    if schedule == "1f1b":
+        return (Policy(fused=True, warmup=0, memory_limit=memory_limit),)
+    limit = _plan_memory_limit(schedule, stages, memory_limit)
+    variants = ADAPTIVE_VARIANTS if schedule == "adaptive" else ADAPTIVE_VARIANTS[1:4]
+    return tuple(Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True) for w, ff in variants)
+
+
+def _plan_memory_limit(schedule: str, stages: int, memory_limit: int | None) -> int | None:
+    if schedule == "zb-h1":
+        return stages if memory_limit is None else min(stages, memory_limit)
+    return memory_limit
+
+
+def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
+              failed: Iterable[Worker] = (), *, iterations: int = 1, schedule: str = "adaptive",
+              optimizer: str = "staggered", memory_limit: int | None = None,
+              time_budget: float | None = None) -> Plan:
+    """The plan of ``schedule`` for this shape and failure set (see the module docstring).
+
+    ``time_budget`` (seconds) stops trying further adaptive variants once spent (the first always runs).
+    Raises :class:`StageLostError` when every worker of some stage failed, :class:`PlanError` on bad input.
+    """
+    check_shape(stages, pipelines, microbatches, costs, iterations)
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule = {schedule!r}: use one of {SCHEDULES}")
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"optimizer = {optimizer!r}: use one of {OPTIMIZERS}")
+    if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit < 1):
+        raise PlanError(f"memory_limit = {memory_limit!r}: use a positive number of micro-batches or None")
+    failed = frozenset((int(p), int(s)) for p, s in failed)
+    failures_per_stage(failed, stages, pipelines)
+    routing = route(stages, pipelines, microbatches, failed)
+    began, best = time.perf_counter(), None
+    for policy in policies_for(schedule, stages, memory_limit):
+        workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations,
+                                optimizer == "synchronous", policy)
+        span = max(ops[-1].end for ops in workers.values())
+        if best is None or span < best[0] - 1e-12:
+            best = (span, workers)
+        if time_budget is not None and time.perf_counter() - began > time_budget:
+            break
+    assert best is not None
+    logger.debug("plan S=%d D=%d M=%d K=%d failed=%s %s: makespan %.4g", stages, pipelines, microbatches,
+                 iterations, sorted(failed), schedule, best[0])
+    return Plan(stages, pipelines, microbatches, iterations, optimizer,
+                _plan_memory_limit(schedule, stages, memory_limit), costs, failed, dict(sorted(best[1].items())),
+                schedule)
+
+
+@functools.lru_cache(maxsize=256)
+def best_failure_free(stages: int, pipelines: int, microbatches: int, costs: CostModel, *,
+                      iterations: int = 1, optimizer: str = "staggered",
+                      memory_limit: int | None = None) -> Plan:
+    """The failure-free plan with the smallest makespan among the zero-bubble and adaptive schedules."""
+    plans = [make_plan(stages, pipelines, microbatches, costs, iterations=iterations, schedule=name,
+                       optimizer=optimizer, memory_limit=memory_limit) for name in ("zb-h1", "adaptive")]
+    return min(plans, key=lambda p: p.makespan)
+
+
