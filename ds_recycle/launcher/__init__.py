@@ -1,0 +1,65 @@
+"""``ds-recycle launch``: start a job's workers so that they survive each other's failures.
+
+The `deepspeed` launcher and ``torchrun`` kill every worker when one dies, and with the `deepspeed` launcher
+rank 0 hosts the rendezvous store, so the store dies with it. This launcher keeps the `deepspeed` command line
+but hosts the store itself (node 0's launcher process), never signals a survivor because another worker died,
+reports every exit, and exits non-zero only if the job as a whole failed::
+
+    ds-recycle launch --num_accelerators 4 train.py --deepspeed_config cfg.json
+    python -m ds_recycle launch --num_gpus 4 --master_port 0 --log_ranks 0 train.py
+
+Files: :mod:`.cli` (options), :mod:`.hosts` (hostfile, ``--include``/``--exclude``), :mod:`.job` (command
+line and environment of each rank), :mod:`.worker` (one process), :mod:`.policy` (exit rules, as functions),
+:mod:`.supervisor` (the loop), :mod:`.store` (the store and its keys), :mod:`.remote` (ssh commands).
+
+**Environment of each worker.** The env:// contract (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, plus `deepspeed`'s ``LOCAL_SIZE``, ``CROSS_RANK``,
+``CROSS_SIZE`` and ``CUDA_VISIBLE_DEVICES`` = the node's slots), and ``TORCHELASTIC_USE_AGENT_STORE=True``:
+in torch's ``rendezvous.py`` that is the only switch that makes every rank, rank 0 included, connect to the
+existing store as a client instead of rank 0 creating one. No key prefix is needed: ``init_process_group``
+puts its keys under ``default_pg``. (A restarted rank that wants a fresh world must build its groups under a
+new prefix: the old world's keys are still there.) ``TORCHELASTIC_RESTART_COUNT`` and
+``DS_RECYCLE_RESTART_COUNT`` hold the rank's restart count; ``DS_RECYCLE_LAUNCHER=1`` and
+``DS_RECYCLE_STORE=host:port`` tell the worker that the store outlives it; ``DS_RECYCLE_LOST_EXIT_CODE=75``
+is the exit code that declares the worker lost rather than failed. ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
+are set to ``--threads_per_worker`` (default 1) unless ``OMP_NUM_THREADS`` is already set, and
+``DS_ACCELERATOR=cpu`` when no CUDA device is visible and it is not set. ``--local_rank=N`` is appended to
+the script's arguments, as `deepspeed` does, unless ``--no_local_rank``; ``torchrun``-style scripts read
+``LOCAL_RANK`` instead. The same script therefore runs, without failure survival, under `deepspeed` and
+``torchrun`` too.
+
+**Store keys** (written by the launchers; see :mod:`.store`): ``ds_recycle/exit/<rank>`` = the return code
+of the rank's latest exit (negative: killed by that signal); ``ds_recycle/exits`` = a counter of exits (the
+launcher sees a death first and writes both within milliseconds, so a worker can poll the counter);
+``ds_recycle/restarted/<rank>`` = how many times the rank was restarted; ``ds_recycle/stop`` = why the job is
+being stopped.
+
+**Exit rules** (:mod:`.policy`): a signal death or exit code 75 is a tolerated loss; another non-zero code
+fails the job and the others are stopped after ``--error_grace`` seconds; ``--strict`` stops everything on
+any death, as `deepspeed` and ``torchrun`` do. SIGINT/SIGTERM to the launcher are forwarded to every worker,
+which gets ``--kill_grace`` seconds before SIGKILL; a SIGKILLed launcher takes its workers with it on Linux
+(``PR_SET_PDEATHSIG``); no process is left behind.
+
+**Several hosts** (``--hostfile``, ``--include``/``--exclude``, ``--num_nodes``): node 0 is the first host of
+the layout and must be the host where ``ds-recycle launch`` is run; it hosts the store and starts, for every
+other node, ``ssh HOST 'cd CWD && env VARS python -u -m ds_recycle launch --node_rank K --world_info ...'``
+(:mod:`.remote`). Remote launchers connect to the store, run their ranks, record their exits and obey
+``ds_recycle/stop``; node 0 computes the job's status from every rank's exit key. **Only single-host jobs are
+tested.** The hostfile parsing and the generated ssh commands are tested, but nothing has been run over ssh:
+untested are the remote store connection across machines (node 0's store must be reachable at
+``--master_addr``), the shutdown of remote workers when node 0 stops the job or dies (they are stopped by the
+remote launcher when it sees ``ds_recycle/stop`` or loses the store; ssh itself forwards no signal), and
+environments that differ between hosts.
+"""
+from __future__ import annotations
+
+from ds_recycle.launcher.hosts import HostfileError, Layout, NodeSlots, resolve_layout
+from ds_recycle.launcher.job import JobSpec, Program, worker_env, worker_specs
+from ds_recycle.launcher.policy import Action, ExitPolicy, decide, job_status
+from ds_recycle.launcher.worker import LOST_EXIT_CODE, ExitKind, Worker, WorkerExit, WorkerSpec
+
+__all__ = [
+    "Action", "ExitKind", "ExitPolicy", "HostfileError", "JobSpec", "LOST_EXIT_CODE", "Layout", "NodeSlots",
+    "Program", "Worker", "WorkerExit", "WorkerSpec", "decide", "job_status", "resolve_layout", "worker_env",
+    "worker_specs",
+]

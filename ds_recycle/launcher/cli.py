@@ -1,0 +1,166 @@
+"""``ds-recycle launch``: the `deepspeed` launcher's command line, with workers that survive each other.
+
+    ds-recycle launch --num_accelerators 4 train.py --deepspeed_config cfg.json
+    ds-recycle launch --num_gpus 2 --master_port 0 --log_ranks 0 train.py
+    ds-recycle launch --hostfile hosts --include "worker-0@worker-1:0,1" --master_addr 10.0.0.1 train.py
+    ds-recycle launch --strict -m my_pkg.train --steps 10        # --strict: any death stops the job
+    ds-recycle launch --dry_run --hostfile hosts train.py        # print the layout and the commands only
+
+See :mod:`ds_recycle.launcher` for the environment each worker gets and the exit rules.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+
+from ds_recycle.launcher.hosts import HostfileError, Layout, resolve_layout
+from ds_recycle.launcher.job import JobSpec, Program, worker_specs
+from ds_recycle.launcher.policy import ExitPolicy
+from ds_recycle.launcher.remote import default_env_files, exported_env, ssh_command
+from ds_recycle.launcher.worker import OutputSink, Worker, WorkerSpec
+
+__all__ = ["add_arguments", "run", "build_job"]
+
+logger = logging.getLogger("ds_recycle.launcher")
+
+_DEFAULT_PORT = 29500
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("where the workers run (the `deepspeed` launcher's options)")
+    where.add_argument("-H", "--hostfile", default=None, help="'HOST slots=N' per line; default: this host only")
+    where.add_argument("-i", "--include", default="", help='hosts/slots to use, e.g. "worker-0@worker-1:0,2"')
+    where.add_argument("-e", "--exclude", default="", help='hosts/slots to leave out, e.g. "worker-1:0"')
+    where.add_argument("--num_nodes", type=int, default=None, help="use the first N hosts of the hostfile")
+    where.add_argument("--num_accelerators", "--num_gpus", dest="num_accelerators", type=int, default=None,
+                       help="workers per host (default: the visible CUDA devices, or 1 without CUDA)")
+    where.add_argument("--master_addr", default=None,
+                       help="address of node 0's store (default: 127.0.0.1; with several hosts, the first host)")
+    where.add_argument("--master_port", type=int, default=_DEFAULT_PORT, help="store port; 0 picks a free one")
+    where.add_argument("--ssh_port", type=int, default=None, help="ssh port of the other hosts")
+    where.add_argument("--node_rank", type=int, default=0, help=argparse.SUPPRESS)
+    where.add_argument("--world_info", default=None, help=argparse.SUPPRESS)
+    where.add_argument("--store_timeout", type=float, default=120.0,
+                       help="seconds a remote node waits for node 0's store (default 120)")
+
+    how = parser.add_argument_group("how each worker runs")
+    how.add_argument("--threads_per_worker", type=int, default=1,
+                     help="OMP/MKL threads per worker unless OMP_NUM_THREADS is set; 0: leave them alone")
+    how.add_argument("--log_ranks", default=None, help="show only these ranks' stdout, e.g. 0,1 (stderr: all)")
+    how.add_argument("--module", "-m", action="store_true", help="run the target as `python -m TARGET`")
+    how.add_argument("--no_python", action="store_true", help="the target is an executable, not a Python file")
+    how.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    how.add_argument("--dry_run", action="store_true", help="print the layout and the commands, start nothing")
+
+    fail = parser.add_argument_group("failures (see `ds_recycle.launcher.policy`)")
+    fail.add_argument("--strict", action="store_true", help="any worker's death or error stops the whole job")
+    fail.add_argument("--error_grace", type=float, default=30.0,
+                      help="after a worker's error exit, seconds the others get before SIGTERM (default 30)")
+    fail.add_argument("--kill_grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)")
+    fail.add_argument("--restart_failed_after", type=float, default=None,
+                      help="start a lost rank again after this many seconds (default: never)")
+    fail.add_argument("--max_restarts", type=int, default=3, help="restarts per rank (default 3)")
+
+    parser.add_argument("user_script", help="the training script (or module with -m, executable with --no_python)")
+    parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
+
+def _parse_log_ranks(text: str | None) -> frozenset[int] | None:
+    if text is None:
+        return None
+    try:
+        return frozenset(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--log_ranks {text!r}: give rank numbers separated by commas, e.g. 0,3") from None
+
+
+def _layout(args: argparse.Namespace, local_slots: int) -> Layout:
+    if args.world_info is not None:
+        return Layout.decode(args.world_info)
+    if args.node_rank != 0:
+        raise ValueError(f"--node_rank {args.node_rank} is internal: it needs --world_info from node 0's launcher")
+    return resolve_layout(args.hostfile, args.include, args.exclude, args.num_nodes, args.num_accelerators,
+                          local_slots)
+
+
+def _master_addr(args: argparse.Namespace, layout: Layout) -> str:
+    multi = len(layout.nodes) > 1
+    addr = args.master_addr or (layout.nodes[0].host if multi else "127.0.0.1")
+    if multi and addr in _LOOPBACK:
+        raise ValueError(f"--master_addr {addr!r}: the other hosts cannot reach node 0 there; "
+                         f"give node 0's address as the other hosts see it")
+    return addr
+
+
+def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> JobSpec:
+    """The job the options describe (``master_port`` is the store's real port; bad options raise ValueError)."""
+    layout = _layout(args, max(cuda_devices, 1))
+    if not 0 <= args.node_rank < len(layout.nodes):
+        raise ValueError(f"--node_rank {args.node_rank} is outside the job's {len(layout.nodes)} node(s)")
+    if args.threads_per_worker < 0:
+        raise ValueError(f"--threads_per_worker {args.threads_per_worker}: give 1 or more, or 0 for 'leave alone'")
+    program = Program(args.user_script, tuple(args.user_args), args.module, args.no_python, not args.no_local_rank)
+    policy = ExitPolicy(args.strict, args.error_grace, args.kill_grace, args.restart_failed_after, args.max_restarts)
+    return JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
+                   args.threads_per_worker or None, _parse_log_ranks(args.log_ranks), dict(os.environ),
+                   cuda_available=cuda_devices > 0)
+
+
+def _remote_workers(job: JobSpec, args: argparse.Namespace, sink: OutputSink) -> list[Worker]:
+    env = exported_env(os.environ, default_env_files())
+    return [Worker(WorkerSpec(f"node {k} ({node.host})", None, tuple(ssh_command(job, k, os.getcwd(), env,
+                                                                                args.ssh_port)), dict(os.environ)),
+                   sink) for k, node in enumerate(job.layout.nodes) if k > 0]
+
+
+def _print_dry_run(job: JobSpec, args: argparse.Namespace) -> None:
+    for k, node in enumerate(job.layout.nodes):
+        first = job.layout.offset(k)
+        print(f"node {k}: {node.host} slots {list(node.slots)} ranks {first}..{first + len(node.slots) - 1}")
+    for spec in worker_specs(job):
+        print(f"{spec.name}: {shlex.join(spec.argv)}")
+    for remote in _remote_workers(job, args, OutputSink(sys.stdout)):
+        print(f"{remote.spec.name}: {shlex.join(remote.spec.argv)}")
+
+
+def _setup_logging(node_rank: int) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format=f"[ds-recycle launch node {node_rank}] %(asctime)s %(levelname)s %(message)s")
+
+
+def run(args: argparse.Namespace) -> int:
+    _setup_logging(args.node_rank)
+    import torch  # deferred: `ds-recycle launch --help` stays fast
+
+    from ds_recycle.launcher import store as stores
+    from ds_recycle.launcher.supervisor import Supervisor
+
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        job = build_job(args, args.master_port, cuda_devices)
+    except ValueError as err:  # HostfileError is a ValueError
+        print(f"ds-recycle launch: error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        _print_dry_run(job, args)
+        return 0
+    try:
+        if job.node_rank == 0:
+            store = stores.host_store(job.master_addr, args.master_port, args.store_timeout)
+        else:
+            store = stores.connect_store(job.master_addr, args.master_port, args.store_timeout)
+    except OSError as err:
+        print(f"ds-recycle launch: error: {err}", file=sys.stderr)
+        return 2
+    job = build_job(args, store.port, cuda_devices)
+    logger.info("store at %s:%d; node %d of %d runs ranks %s of %d", job.master_addr, job.master_port,
+                job.node_rank, len(job.layout.nodes), list(job.local_ranks), job.layout.world_size)
+    sink = OutputSink(sys.stdout)
+    workers = [Worker(spec, sink) for spec in worker_specs(job)]
+    remotes = _remote_workers(job, args, sink) if job.node_rank == 0 else []
+    return Supervisor(job, store, workers, remotes, hosts_store=job.node_rank == 0).run()

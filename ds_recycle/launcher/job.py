@@ -1,0 +1,89 @@
+"""A job as data: what runs where, and each rank's command line and environment (pure; no processes)."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ds_recycle.launcher.hosts import Layout
+from ds_recycle.launcher.policy import ExitPolicy
+from ds_recycle.launcher.worker import LOST_EXIT_CODE, WorkerSpec
+
+__all__ = ["JobSpec", "Program", "worker_env", "worker_specs"]
+
+
+@dataclass(frozen=True)
+class Program:
+    """The user's program: ``python -u script args``, ``python -u -m module args`` or ``executable args``."""
+
+    target: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    no_python: bool = False
+    pass_local_rank: bool = True
+    """Append ``--local_rank=N`` before the user's arguments, as the `deepspeed` launcher does."""
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.module and self.no_python:
+            raise ValueError("--module and --no_python exclude each other: --module runs `python -m TARGET`")
+
+    def argv(self, local_rank: int) -> tuple[str, ...]:
+        head = (self.target,) if self.no_python else (self.python, "-u", *(("-m",) if self.module else ()), self.target)
+        return head + ((f"--local_rank={local_rank}",) if self.pass_local_rank else ()) + self.args
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything one node's launcher needs to start its workers."""
+
+    layout: Layout
+    node_rank: int
+    master_addr: str
+    master_port: int
+    """The store's actual port (never 0 here: port 0 is resolved when the store starts)."""
+    program: Program
+    policy: ExitPolicy = ExitPolicy()
+    threads_per_worker: int | None = 1
+    """OMP/MKL threads per worker; None leaves the environment alone."""
+    log_ranks: frozenset[int] | None = None
+    """Ranks whose stdout is shown (stderr is always shown); None: all."""
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ), hash=False)
+    cuda_available: bool = False
+
+    @property
+    def local_ranks(self) -> range:
+        first = self.layout.offset(self.node_rank)
+        return range(first, first + len(self.layout.nodes[self.node_rank].slots))
+
+
+def worker_env(job: JobSpec, rank: int) -> dict[str, str]:
+    """The environment of global ``rank``: the launcher's own plus the env:// contract and ds_recycle's keys."""
+    node = job.layout.nodes[job.node_rank]
+    local_rank = rank - job.layout.offset(job.node_rank)
+    env = dict(job.base_env)
+    env.update({
+        "MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port),
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(job.layout.world_size),
+        "LOCAL_WORLD_SIZE": str(len(node.slots)), "LOCAL_SIZE": str(len(node.slots)),
+        "GROUP_RANK": str(job.node_rank), "CROSS_RANK": str(job.node_rank), "CROSS_SIZE": str(len(job.layout.nodes)),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+        "DS_RECYCLE_LAUNCHER": "1", "DS_RECYCLE_STORE": f"{job.master_addr}:{job.master_port}",
+        "DS_RECYCLE_RESTART_COUNT": "0", "DS_RECYCLE_LOST_EXIT_CODE": str(LOST_EXIT_CODE),
+        "CUDA_VISIBLE_DEVICES": ",".join(str(slot) for slot in node.slots),
+        "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
+    })
+    if job.threads_per_worker is not None and "OMP_NUM_THREADS" not in job.base_env:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(job.threads_per_worker)
+    if not job.cuda_available and "DS_ACCELERATOR" not in job.base_env:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def worker_specs(job: JobSpec) -> list[WorkerSpec]:
+    """One spec per rank of this node, in rank order."""
+    first = job.layout.offset(job.node_rank)
+    return [WorkerSpec(name=f"rank {rank}", rank=rank, argv=job.program.argv(rank - first), env=worker_env(job, rank),
+                       show_stdout=job.log_ranks is None or rank in job.log_ranks, prefix=f"[rank {rank}] ")
+            for rank in job.local_ranks]

@@ -1,0 +1,61 @@
+"""The job's rendezvous store, hosted by the launcher of node 0 so that it outlives every worker.
+
+Keys the launchers write (the failure handler of the workers reads them; all values are UTF-8 text):
+
+=============================  =====================================================================
+``ds_recycle/exit/<rank>``     return code of the rank's latest exit: ``"0"``, ``"1"``, ``"-9"`` (negative:
+                               the signal that killed it). Written the moment its launcher reaps it.
+``ds_recycle/exits``           counter (``store.add``) of exits so far, over all ranks and restarts; a worker
+                               can poll it cheaply and read the ``exit/<rank>`` keys when it changes.
+``ds_recycle/restarted/<r>``   ``"<n>"``: rank r was started again for the n-th time (written just before).
+``ds_recycle/stop``            reason text: a launcher is stopping the whole job. Every launcher polls it
+                               and stops its own workers; a worker may poll it too.
+=============================  =====================================================================
+
+Workers reach the store at ``DS_RECYCLE_STORE`` (``host:port``, the same as ``MASTER_ADDR:MASTER_PORT``);
+torch's env:// rendezvous connects to it as a client because the launcher sets
+``TORCHELASTIC_USE_AGENT_STORE=True``. torch puts its own keys under the ``default_pg`` prefix.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from torch.distributed import Store, TCPStore
+
+__all__ = ["EXITS_KEY", "STOP_KEY", "exit_key", "restarted_key", "host_store", "connect_store", "read_int"]
+
+EXITS_KEY = "ds_recycle/exits"
+STOP_KEY = "ds_recycle/stop"
+
+
+def exit_key(rank: int) -> str:
+    return f"ds_recycle/exit/{rank}"
+
+
+def restarted_key(rank: int) -> str:
+    return f"ds_recycle/restarted/{rank}"
+
+
+def host_store(addr: str, port: int, timeout_s: float) -> TCPStore:
+    """Start the store's server in this process (``port`` 0 picks a free one: read ``store.port``)."""
+    try:
+        return TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    except (RuntimeError, OSError) as err:
+        raise OSError(f"cannot host the store on {addr}:{port} ({err}); "
+                      f"pick a free --master_port, or --master_port 0 for any free port") from err
+
+
+def connect_store(addr: str, port: int, timeout_s: float) -> TCPStore:
+    """Connect to node 0's store as a client (remote launchers), waiting up to ``timeout_s`` for it."""
+    try:
+        return TCPStore(addr, port, None, False, timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as err:
+        raise OSError(f"cannot reach the store of node 0 at {addr}:{port} within {timeout_s} s ({err}); "
+                      f"check --master_addr/--master_port and that node 0's launcher runs") from err
+
+
+def read_int(store: Store, key: str) -> int | None:
+    """The integer stored at ``key``, or None when the key is absent."""
+    if not store.check([key]):
+        return None
+    return int(store.get(key).decode())

@@ -1,0 +1,255 @@
+"""The launcher's loop: start this node's workers, react to each exit, stop the job when it must, report.
+
+One :class:`Supervisor` runs per node, in the launcher's main thread. It sleeps until a child exits or a
+signal arrives (``SIGCHLD`` through :func:`signal.set_wakeup_fd`, so a death is seen within milliseconds), or
+until its next timer (a restart, the end of a grace period, the poll of the store's stop key). The reaction
+to each exit is :func:`ds_recycle.launcher.policy.decide`; this module only carries it out.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import Sequence
+
+from torch.distributed import Store
+
+from ds_recycle.launcher import store as keys
+from ds_recycle.launcher.job import JobSpec
+from ds_recycle.launcher.policy import Action, decide, job_status
+from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
+
+__all__ = ["Supervisor"]
+
+logger = logging.getLogger(__name__)
+
+_STOP_KEY_POLL_S = 0.25
+_MAX_SLEEP_S = 0.5
+_OUTPUT_DRAIN_S = 2.0
+
+
+class _Wakeup:
+    """Sleep until SIGCHLD/SIGINT/SIGTERM or a timeout; records SIGINT/SIGTERM. Polls when not in the main thread."""
+
+    _SIGNALS = (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: list[signal.Signals] = []
+        self._fds: tuple[int, int] | None = None
+        self._saved: dict[signal.Signals, object] = {}
+        self._saved_fd = -1
+
+    def __enter__(self) -> _Wakeup:
+        if threading.current_thread() is threading.main_thread():
+            self._fds = os.pipe()
+            for fd in self._fds:
+                os.set_blocking(fd, False)
+            self._saved_fd = signal.set_wakeup_fd(self._fds[1])
+            for sig in self._SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._fds is not None:
+            for sig, handler in self._saved.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.set_wakeup_fd(self._saved_fd)
+            for fd in self._fds:
+                os.close(fd)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum != signal.SIGCHLD:
+            self.received.append(signal.Signals(signum))
+
+    def wait(self, timeout_s: float) -> None:
+        if self._fds is None:
+            time.sleep(min(timeout_s, 0.01))
+            return
+        ready, _, _ = select.select([self._fds[0]], [], [], max(0.0, timeout_s))
+        if ready:
+            try:
+                while os.read(self._fds[0], 512):
+                    pass
+            except BlockingIOError:
+                pass
+
+
+class Supervisor:
+    """Runs one node's share of a job to the end and returns the launcher's exit status."""
+
+    def __init__(self, job: JobSpec, store: Store, workers: Sequence[Worker], remotes: Sequence[Worker] = (),
+                 hosts_store: bool = True) -> None:
+        self.job = job
+        self.store = store
+        self.workers = {w.spec.rank: w for w in workers if w.spec.rank is not None}
+        self.remotes = list(remotes)
+        self.hosts_store = hosts_store
+        self.exits: list[WorkerExit] = []
+        self._restart_at: dict[int, float] = {}
+        self._error_deadline: float | None = None
+        self._stop_reason: str | None = None
+        self._kill_at: float | None = None
+        self._signal: signal.Signals | None = None
+        self._next_stop_poll = 0.0
+        self._t0 = time.monotonic()
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        with _Wakeup() as wake:
+            for worker in self._children():
+                worker.start()
+                logger.info("started %s as pid %s", worker.spec.name, worker.pid)
+            while any(w.running for w in self._children()) or self._restart_at:
+                wake.wait(self._sleep_s())
+                self._on_signals(wake.received)
+                wake.received.clear()
+                self._reap()
+                self._fire_timers()
+        for worker in self._children():
+            worker.join_output(_OUTPUT_DRAIN_S)
+        return self._report()
+
+    def _children(self) -> list[Worker]:
+        return [*self.workers.values(), *self.remotes]
+
+    def _sleep_s(self) -> float:
+        timers = [*self._restart_at.values(), self._next_stop_poll]
+        timers += [t for t in (self._error_deadline, self._kill_at) if t is not None]
+        return min(_MAX_SLEEP_S, min(timers) - time.monotonic())
+
+    # ---- events -----------------------------------------------------------------------------------------------
+    def _on_signals(self, received: list[signal.Signals]) -> None:
+        for sig in received:
+            if self._signal is not None:
+                logger.warning("second %s: killing every worker now", sig.name)
+                self._send_all(signal.SIGKILL)
+                continue
+            self._signal = sig
+            self._stop(f"the launcher received {sig.name}")
+
+    def _reap(self) -> None:
+        for worker in self._children():
+            exit = worker.poll()
+            if exit is not None:
+                self._on_exit(exit)
+
+    def _on_exit(self, exit: WorkerExit) -> None:
+        self.exits.append(exit)
+        log = logger.info if exit.kind is ExitKind.FINISHED or exit.stopped_by_launcher else logger.warning
+        log("%s at t=%.2f s", exit.describe(), time.monotonic() - self._t0)
+        if exit.rank is not None:
+            self._publish_exit(exit)
+        if self._stop_reason is not None:
+            return
+        action = decide(exit, self.job.policy)
+        if action is Action.RESTART:
+            assert exit.rank is not None and self.job.policy.restart_after_s is not None
+            self._restart_at[exit.rank] = time.monotonic() + self.job.policy.restart_after_s
+            logger.info("restarting rank %d in %.1f s", exit.rank, self.job.policy.restart_after_s)
+        elif action is Action.STOP_NOW:
+            self._stop(f"--strict: {exit.name} {describe_returncode(exit.returncode)}")
+        elif action is Action.STOP_AFTER_GRACE and self._error_deadline is None:
+            self._error_deadline = time.monotonic() + self.job.policy.error_grace_s
+            logger.error("job failed: %s %s; the other workers get %.1f s to exit by themselves", exit.name,
+                         describe_returncode(exit.returncode), self.job.policy.error_grace_s)
+
+    def _publish_exit(self, exit: WorkerExit) -> None:
+        assert exit.rank is not None
+        try:
+            self.store.set(keys.exit_key(exit.rank), str(exit.returncode))
+            self.store.add(keys.EXITS_KEY, 1)
+        except (RuntimeError, OSError) as err:  # a remote node whose store (node 0) is gone
+            logger.error("could not record the exit of rank %d in the store: %s", exit.rank, err)
+
+    def _fire_timers(self) -> None:
+        now = time.monotonic()
+        for rank, due in sorted(self._restart_at.items()):
+            if due <= now:
+                del self._restart_at[rank]
+                self._restart(rank)
+        if self._error_deadline is not None and now >= self._error_deadline and self._stop_reason is None:
+            self._stop(f"a worker failed {self.job.policy.error_grace_s:.1f} s ago")
+        if self._kill_at is not None and now >= self._kill_at:
+            self._kill_at = None
+            if any(w.running for w in self._children()):
+                logger.warning("%.1f s after SIGTERM: SIGKILL to what still runs", self.job.policy.kill_grace_s)
+                self._send_all(signal.SIGKILL)
+        if now >= self._next_stop_poll:
+            self._next_stop_poll = now + _STOP_KEY_POLL_S
+            self._poll_stop_key()
+
+    def _poll_stop_key(self) -> None:
+        if self._stop_reason is not None:
+            return
+        try:
+            if self.store.check([keys.STOP_KEY]):
+                self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
+        except (RuntimeError, OSError) as err:
+            if not self.hosts_store:
+                self._stop(f"lost the store of node 0 ({err})")
+
+    # ---- actions ----------------------------------------------------------------------------------------------
+    def _restart(self, rank: int) -> None:
+        worker = self.workers[rank]
+        count = worker.restart_count + 1
+        try:
+            self.store.set(keys.restarted_key(rank), str(count))
+        except (RuntimeError, OSError) as err:
+            logger.error("could not record the restart of rank %d in the store: %s", rank, err)
+        worker.start(count, {"DS_RECYCLE_RESTART_COUNT": str(count), "TORCHELASTIC_RESTART_COUNT": str(count)})
+        logger.info("restarted rank %d as pid %s (restart %d)", rank, worker.pid, count)
+
+    def _stop(self, reason: str) -> None:
+        """Stop the whole job: tell the other nodes, SIGTERM every worker, SIGKILL after the kill grace."""
+        self._stop_reason = reason
+        self._restart_at.clear()
+        logger.warning("stopping the job: %s", reason)
+        try:
+            if not self.store.check([keys.STOP_KEY]):
+                self.store.set(keys.STOP_KEY, f"node {self.job.node_rank}: {reason}")
+        except (RuntimeError, OSError):
+            pass
+        self._send_all(signal.SIGTERM)
+        self._kill_at = time.monotonic() + self.job.policy.kill_grace_s
+
+    def _send_all(self, sig: signal.Signals) -> None:
+        for worker in self._children():
+            worker.send_signal(sig)
+
+    # ---- the end ----------------------------------------------------------------------------------------------
+    def _final_codes(self) -> dict[int, int | None]:
+        final: dict[int, int | None] = {}
+        for exit in self.exits:
+            if exit.rank is not None:
+                final[exit.rank] = exit.returncode
+        if self.remotes:  # node 0 of a multi-host job: the other nodes' ranks come from the store
+            for rank in range(self.job.layout.world_size):
+                if rank not in final:
+                    final[rank] = self._stored_code(rank)
+        return final
+
+    def _stored_code(self, rank: int) -> int | None:
+        try:
+            return keys.read_int(self.store, keys.exit_key(rank))
+        except (RuntimeError, OSError, ValueError):
+            return None
+
+    def _report(self) -> int:
+        final = self._final_codes()
+        status = job_status(final, self.job.policy.strict, require_finished=self.hosts_store)
+        if self._signal is not None:
+            status = 128 + int(self._signal)
+        for exit in sorted(self.exits, key=lambda e: (e.rank is None, e.rank or 0, e.restart_count)):
+            logger.info("summary: %s", exit.describe())
+        kinds = [ExitKind.ERROR if code is None else exit_kind(code) for code in final.values()]
+        logger.log(logging.INFO if status == 0 else logging.ERROR,
+                   "job %s with status %d: %d rank(s) finished, %d lost, %d failed%s",
+                   "succeeded" if status == 0 else "failed", status, kinds.count(ExitKind.FINISHED),
+                   kinds.count(ExitKind.LOST), kinds.count(ExitKind.ERROR),
+                   f" (stopped: {self._stop_reason})" if self._stop_reason else "")
+        return status
