@@ -71,6 +71,8 @@ class _Pending:
     contribution: torch.Tensor
     snapshot: tuple[list[torch.Tensor], dict[str, Any]] | None
     """Parameters and optimizer state before an eager step; None when the step waited for the norm."""
+    norm: float | None = None
+    clipped: bool = False
 
 
 class StaggeredOptimizer:
@@ -95,6 +97,9 @@ class StaggeredOptimizer:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._pending: _Pending | None = None
         self.redone_steps = 0
+        """Eager steps rolled back and redone clipped (post-validation failed)."""
+        self.clipped_steps = 0
+        """Steps whose gradients were clipped."""
         self.served = served
         """Owner pipelines of the micro-batches this worker processes."""
         self.stage_rerouted = stage_rerouted
@@ -173,9 +178,8 @@ class StaggeredOptimizer:
         return total_loss
 
     # 2. norm
-    def _local_contribution(self) -> torch.Tensor:
-        if not (self.counts and self.representative):
-            return torch.zeros(1)
+    def _stage_sq(self) -> torch.Tensor:
+        """Squared norm of this stage's (reduced) gradients, as DeepSpeed's ``clip_grad_norm_`` sums it."""
         norms = [p.grad.data.detach().float().norm(2.0) for p in self.module.parameters() if p.grad is not None]
         if not norms:
             return torch.zeros(1)
@@ -200,50 +204,58 @@ class StaggeredOptimizer:
             self.optimizer.step()
             self._pending = _Pending(iteration, None, torch.zeros(1), None)
             return
-        contribution = self._local_contribution()
+        local_sq = self._stage_sq() if self.counts else torch.zeros(1)
+        contribution = local_sq.clone() if self.representative else torch.zeros(1)
         work = dist.all_reduce(contribution, group=self.norm_group, async_op=True)
-        must_wait = synchronous or bool(contribution.sqrt() * 1.0 >= self.max_norm)
-        snapshot = None
-        if not must_wait:
-            snapshot = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
+        pending = _Pending(iteration, work, contribution, None)
+        self._pending = pending
+        if self.scope is ClipScope.FIRST_STAGE and self.stage == 0:
+            # Every first-stage replica holds the same reduced gradients: the norm is known here already.
+            pending.norm, pending.clipped = self._clip_and_step(self._coefficient(local_sq))
+        elif synchronous or bool(local_sq.sqrt() >= self.max_norm):
+            work.wait()
+            pending.work = None
+            pending.norm, pending.clipped = self._clip_and_step(self._coefficient(contribution))
+        else:  # eager: step now, validate in finish()
+            pending.snapshot = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
             self.optimizer.step()
-        self._pending = _Pending(iteration, work, contribution, snapshot)
-        if must_wait:
-            self._apply_clip_and_step()
 
-    def _apply_clip_and_step(self) -> tuple[float, bool]:
-        pending = self._pending
-        assert pending is not None and pending.work is not None
-        pending.work.wait()
-        coef, norm = self._coefficient(pending.contribution)
-        clipped = bool(coef.item() < 1.0)
-        if pending.snapshot is not None:
-            if not clipped:
-                return norm, False
-            params, state = pending.snapshot
-            for p, saved in zip(self.params, params):
-                p.data.copy_(saved)
-            self.optimizer.load_state_dict(state)
-            self.redone_steps += 1
+    def _clip_and_step(self, coef_norm: tuple[torch.Tensor, float]) -> tuple[float, bool]:
+        coef, norm = coef_norm
         for p in self.module.parameters():
             if p.grad is not None:
                 p.grad.data.mul_(coef)
         self.optimizer.step()
-        pending.snapshot = None
+        return norm, bool(coef.item() < 1.0)
+
+    def _validate(self, pending: _Pending) -> None:
+        """Post-validation of an eager step: redo it clipped when the global norm says so."""
+        assert pending.work is not None
+        pending.work.wait()
         pending.work = None
-        return norm, clipped
+        if pending.snapshot is None:
+            return
+        coef, norm = self._coefficient(pending.contribution)
+        pending.norm, pending.clipped = norm, bool(coef.item() < 1.0)
+        if pending.clipped:
+            params, state = pending.snapshot
+            for p, saved in zip(self.params, params):
+                p.data.copy_(saved)
+            self.optimizer.load_state_dict(state)
+            self._clip_and_step((coef, norm))
+            self.redone_steps += 1
+        pending.snapshot = None
 
     def finish(self) -> StepOutcome | None:
         """Validate the pending step (redo it clipped if needed), then zero the gradients."""
         pending = self._pending
         if pending is None:
             return None
-        norm: float | None = None
-        clipped = False
         if pending.work is not None:
-            norm, clipped = self._apply_clip_and_step()
-        elif self.max_norm > 0.0:
-            norm = float(self._coefficient(pending.contribution)[1])
+            self._validate(pending)
+        norm, clipped = pending.norm, pending.clipped
+        self.clipped_steps += int(clipped)
+        logger.debug("iteration %d: norm %s, clipped %s", pending.iteration, norm, clipped)
         for p in self.module.parameters():
             p.grad = None
         if self.lr_scheduler is not None:

@@ -77,6 +77,9 @@ class RecycleRunner:
         if not self._finished:
             self.engine.finish()
             self._finished = True
+            st = self.engine.stepper
+            logger.info("optimizer steps: %d, clipped %d, redone after post-validation %d", self.engine.global_steps,
+                        st.clipped_steps, st.redone_steps)
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         self._finish()
