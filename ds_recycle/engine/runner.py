@@ -17,7 +17,7 @@ from ds_recycle.config import TrainConfig
 from ds_recycle.data import MicroBatchSource
 from ds_recycle.engine.engine import RecyclePipelineEngine
 from ds_recycle.engine.initialize import initialize
-from ds_recycle.engine.schedule import PlanLike
+from ds_recycle.engine.schedule import PlanLike, PlanNotRunnableError, check_plan_for_job
 from ds_recycle.model import build_pipeline_module
 from ds_recycle.runtime.grid import SurvivorGrid, WorkerMap, survivor_module_grid
 from ds_recycle.train.optim import build_optimizer
@@ -31,12 +31,17 @@ logger = logging.getLogger(__name__)
 
 def make_job_plan(cfg: TrainConfig) -> PlanLike:
     """The planner's plan for this job: shape, absent workers, schedule, optimizer, memory and costs."""
-    from ds_recycle.plan import CostModel, make_plan
+    from ds_recycle.plan import CostModel, PlanError, make_plan
 
     rc = cfg.recycle
-    costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
-    return make_plan(rc.stages, rc.pipelines, cfg.micro_batches, costs, rc.assume_failed, iterations=1,
-                     schedule=rc.schedule, optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
+    try:
+        costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
+        return make_plan(rc.stages, rc.pipelines, cfg.micro_batches, costs, rc.assume_failed, iterations=1,
+                         schedule=rc.schedule, optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
+    except (PlanError, ValueError, OSError) as e:
+        raise PlanNotRunnableError(f"no runnable plan for {rc.stages} stages x {rc.pipelines} pipelines, "
+                                   f"{cfg.micro_batches} micro-batches, absent {list(rc.assume_failed)}, "
+                                   f"costs_file {rc.costs_file!r}: {e}") from e
 
 
 def rerouted_microbatches(plan: PlanLike) -> int:
@@ -52,10 +57,12 @@ class RecycleRunner:
         rc = cfg.recycle
         self.world = world
         self.workers = WorkerMap.dense(rc.stages, rc.pipelines, frozenset(rc.assume_failed))
+        # Plan and check it first: a plan that cannot run fails on every rank before any communication.
+        self.plan = plan if plan is not None else make_job_plan(cfg)
+        check_plan_for_job(self.plan, rc.stages, rc.pipelines, cfg.micro_batches, self.workers.absent())
         grid = SurvivorGrid(self.workers)
         with survivor_module_grid(grid):
             module = build_pipeline_module(rc.model, rc.stages, topology=grid.topology())
-        self.plan = plan if plan is not None else make_job_plan(cfg)
         self.engine: RecyclePipelineEngine
         self.engine, *_ = initialize(model=module, config=cfg.deepspeed, plan=self.plan, data=MicroBatchSource(cfg),
                                      optimizer=build_optimizer(cfg, module.parameters()))

@@ -18,19 +18,19 @@ class Kind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class TestOp:
+class HandOp:
     kind: Kind
     iteration: int
     mb: tuple[int, int] | None
 
 
 @dataclass(frozen=True)
-class TestPlan:
+class HandPlan:
     stages: int
     pipelines: int
     microbatches: int
     failed: frozenset[tuple[int, int]]
-    workers: dict[tuple[int, int], tuple[TestOp, ...]]
+    workers: dict[tuple[int, int], tuple[HandOp, ...]]
     owner: dict[tuple[int, tuple[int, int]], tuple[int, int]] = field(default_factory=dict)
     iterations: int = 1
     optimizer: str = "staggered"
@@ -40,7 +40,7 @@ class TestPlan:
 
 
 def one_f_one_b(stages: int, pipelines: int, microbatches: int, failed: frozenset[tuple[int, int]] = frozenset(),
-                defer_w: bool = False, optimizer: str = "staggered") -> TestPlan:
+                defer_w: bool = False, optimizer: str = "staggered") -> HandPlan:
     owner: dict[tuple[int, tuple[int, int]], tuple[int, int]] = {}
     work: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for s in range(stages):
@@ -53,12 +53,12 @@ def one_f_one_b(stages: int, pipelines: int, microbatches: int, failed: frozense
     workers = {}
     for (d, s), mbs in work.items():
         warm = min(stages - s, len(mbs))
-        ops = [TestOp(Kind.F, 0, mb) for mb in mbs[:warm]]
+        ops = [HandOp(Kind.F, 0, mb) for mb in mbs[:warm]]
         tail = []
         for n, mb in enumerate(mbs):
-            ops.append(TestOp(Kind.B, 0, mb))
-            (tail if defer_w else ops).append(TestOp(Kind.W, 0, mb))
+            ops.append(HandOp(Kind.B, 0, mb))
+            (tail if defer_w else ops).append(HandOp(Kind.W, 0, mb))
             if n + warm < len(mbs):
-                ops.append(TestOp(Kind.F, 0, mbs[n + warm]))
-        workers[(d, s)] = tuple(ops + tail + [TestOp(Kind.O, 0, None)])
-    return TestPlan(stages, pipelines, microbatches, frozenset(failed), workers, owner, optimizer=optimizer)
+                ops.append(HandOp(Kind.F, 0, mbs[n + warm]))
+        workers[(d, s)] = tuple(ops + tail + [HandOp(Kind.O, 0, None)])
+    return HandPlan(stages, pipelines, microbatches, frozenset(failed), workers, owner, optimizer=optimizer)
