@@ -110,7 +110,8 @@ class RecyclePipelineEngine(PipelineEngine):
             self.module, self.optimizer, stage=self.stage_id, pipelines=self.workers.pipelines,
             dp_group=self.grid.get_data_parallel_group(), dp_ranks=self.grid.get_data_parallel_group_ranks(),
             norm_group=self.grid.norm_group, max_norm=self.gradient_clipping(), scope=clip_scope,
-            lr_scheduler=self.lr_scheduler, served=served, stage_rerouted=stage_rerouted)
+            lr_scheduler=self.lr_scheduler, served=served, stage_rerouted=stage_rerouted,
+            norm_source=min(self.workers.stage_ranks(0)))
         self.reporter_rank = min(self.workers.stage_ranks(self.num_stages - 1))
         self.iteration = 0
         self.slots: dict[int, _Slot] = {}
@@ -148,6 +149,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """Complete the last optimizer step (post-validation) and outstanding sends; call after training."""
         self._exec_finish_optimizer_step()
         self.channel.wait_sends()
+        self.stepper.close()
         return self.last_step
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:

@@ -16,12 +16,16 @@ Semantics (each stage, each iteration):
    ``PipelineModule`` is the *first stage*; it then averages the norm over the data-parallel group and
    scales every gradient by ``min(1, max_norm / (norm + 1e-6))``. :class:`ClipScope` selects that
    (``FIRST_STAGE``, identical results) or the norm over all stages (``WHOLE_MODEL``).
-3. **Post-validation** (``staggered``): the norm contributions go into one asynchronous all-reduce over
-   every live worker; the stage steps at once, keeping a copy of its parameters and optimizer state. At
-   :meth:`StaggeredOptimizer.finish` (before the next iteration's first op) it reads the global norm; if
-   the step had to be clipped, it restores the copy, scales the gradients and steps again. When the
-   stage's own contribution already proves that clipping is needed, it waits for the norm instead.
-   ``synchronous`` always waits, then clips and steps (DeepSpeed's order).
+3. **Post-validation** (``staggered``): the stage steps at once, keeping a copy of its parameters and
+   optimizer state, while the norm travels asynchronously. At :meth:`StaggeredOptimizer.finish` (before the
+   next iteration's first op) it reads the norm; if the step had to be clipped, it restores the copy, scales
+   the gradients and steps again. With ``FIRST_STAGE`` the first stage knows the norm itself and
+   *broadcasts* it (posted at its step, never waited for on its critical path); every other stage needs
+   the first stage's step of iteration k before its first op of k+1 anyway (that op consumes an activation
+   the first stage computes after its step), so the validation adds no wait and no pipeline-wide barrier.
+   With ``WHOLE_MODEL`` the per-stage contributions are summed by one asynchronous all-reduce over every
+   live worker. When a stage's own contribution already proves that clipping is needed, it waits instead
+   of stepping eagerly. ``synchronous`` always waits, then clips and steps (DeepSpeed's order).
 """
 from __future__ import annotations
 
@@ -81,7 +85,8 @@ class StaggeredOptimizer:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pipelines: int,
                  dp_group: Any, dp_ranks: list[int], norm_group: Any, max_norm: float,
                  scope: ClipScope = ClipScope.FIRST_STAGE, lr_scheduler: Any = None,
-                 served: frozenset[int] = frozenset(), stage_rerouted: bool = False) -> None:
+                 served: frozenset[int] = frozenset(), stage_rerouted: bool = False,
+                 norm_source: int = 0) -> None:
         self.module = module
         self.optimizer = optimizer
         self.stage = stage
@@ -94,6 +99,10 @@ class StaggeredOptimizer:
         self.lr_scheduler = lr_scheduler
         self.counts = scope is ClipScope.WHOLE_MODEL or stage == 0
         self.representative = dist.get_rank() == min(dp_ranks)
+        self.norm_source = norm_source
+        """Global rank that broadcasts the first stage's norm (``FIRST_STAGE``): its first live replica."""
+        self._source_work: Any = None
+        self._source_tensor: torch.Tensor | None = None
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._pending: _Pending | None = None
         self.redone_steps = 0
@@ -205,8 +214,16 @@ class StaggeredOptimizer:
             self._pending = _Pending(iteration, None, torch.zeros(1), None)
             return
         local_sq = self._stage_sq() if self.counts else torch.zeros(1)
-        contribution = local_sq.clone() if self.representative else torch.zeros(1)
-        work = dist.all_reduce(contribution, group=self.norm_group, async_op=True)
+        if self.scope is ClipScope.FIRST_STAGE:
+            contribution = local_sq.clone()
+            if self._source_work is not None:  # the previous broadcast reached everyone long ago
+                self._source_work.wait()
+            work = dist.broadcast(contribution, src=self.norm_source, group=self.norm_group, async_op=True)
+            if dist.get_rank() == self.norm_source:
+                self._source_work, self._source_tensor, work = work, contribution, None
+        else:
+            contribution = local_sq.clone() if self.representative else torch.zeros(1)
+            work = dist.all_reduce(contribution, group=self.norm_group, async_op=True)
         pending = _Pending(iteration, work, contribution, None)
         self._pending = pending
         if self.scope is ClipScope.FIRST_STAGE and self.stage == 0:
@@ -227,6 +244,12 @@ class StaggeredOptimizer:
                 p.grad.data.mul_(coef)
         self.optimizer.step()
         return norm, bool(coef.item() < 1.0)
+
+    def close(self) -> None:
+        """Wait for this rank's last norm broadcast (call when training ends)."""
+        if self._source_work is not None:
+            self._source_work.wait()
+            self._source_work = None
 
     def _validate(self, pending: _Pending) -> None:
         """Post-validation of an eager step: redo it clipped when the global norm says so."""
