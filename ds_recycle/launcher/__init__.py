@@ -22,14 +22,15 @@ new prefix: the old world's keys are still there.) ``TORCHELASTIC_RESTART_COUNT`
 ``DS_RECYCLE_RESTART_COUNT`` hold the rank's restart count; ``DS_RECYCLE_LAUNCHER=1`` and
 ``DS_RECYCLE_STORE=host:port`` tell the worker that the store outlives it; ``DS_RECYCLE_LOST_EXIT_CODE=75``
 is the exit code that declares the worker lost rather than failed. ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``
-are set to ``--threads_per_worker`` (default 1) unless ``OMP_NUM_THREADS`` is already set, and
+are set to ``--threads_per_worker`` (default 1 on a machine without CUDA; left alone with CUDA) unless
+``OMP_NUM_THREADS`` is already set, and
 ``DS_ACCELERATOR=cpu`` when no CUDA device is visible and it is not set. ``--local_rank=N`` is appended to
 the script's arguments, as `deepspeed` does, unless ``--no_local_rank``; ``torchrun``-style scripts read
 ``LOCAL_RANK`` instead. The same script therefore runs, without failure survival, under `deepspeed` and
 ``torchrun`` too.
 
 **Store keys** (written by the launchers; see :mod:`.store`): ``ds_recycle/exit/<rank>`` = the return code
-of the rank's latest exit (negative: killed by that signal); ``ds_recycle/exits`` = a counter of exits (the
+of the rank's exit (negative: killed by that signal; deleted when the rank is restarted); ``ds_recycle/exits`` = a counter of exits (the
 launcher sees a death first and writes both within milliseconds, so a worker can poll the counter);
 ``ds_recycle/restarted/<rank>`` = how many times the rank was restarted; ``ds_recycle/stop`` = why the job is
 being stopped.

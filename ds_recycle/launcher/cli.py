@@ -3,7 +3,7 @@
     ds-recycle launch --num_accelerators 4 train.py --deepspeed_config cfg.json
     ds-recycle launch --num_gpus 2 --master_port 0 --log_ranks 0 train.py
     ds-recycle launch --hostfile hosts --include "worker-0@worker-1:0,1" --master_addr 10.0.0.1 train.py
-    ds-recycle launch --strict -m my_pkg.train --steps 10        # --strict: any death stops the job
+    ds-recycle launch --strict --module my_pkg.train --steps 10       # --strict: any death stops the job
     ds-recycle launch --dry_run --hostfile hosts train.py        # print the layout and the commands only
 
 See :mod:`ds_recycle.launcher` for the environment each worker gets and the exit rules.
@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import shlex
+import socket
 import sys
 
 from ds_recycle.launcher.hosts import HostfileError, Layout, resolve_layout
@@ -48,10 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds a remote node waits for node 0's store (default 120)")
 
     how = parser.add_argument_group("how each worker runs")
-    how.add_argument("--threads_per_worker", type=int, default=1,
-                     help="OMP/MKL threads per worker unless OMP_NUM_THREADS is set; 0: leave them alone")
+    how.add_argument("--threads_per_worker", type=int, default=None,
+                     help="OMP/MKL threads per worker unless OMP_NUM_THREADS is set (default: 1 without CUDA, "
+                          "untouched with CUDA); 0: leave them alone")
     how.add_argument("--log_ranks", default=None, help="show only these ranks' stdout, e.g. 0,1 (stderr: all)")
-    how.add_argument("--module", "-m", action="store_true", help="run the target as `python -m TARGET`")
+    how.add_argument("--module", action="store_true", help="run the target as `python -m TARGET`")
     how.add_argument("--no_python", action="store_true", help="the target is an executable, not a Python file")
     how.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
     how.add_argument("--dry_run", action="store_true", help="print the layout and the commands, start nothing")
@@ -65,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="start a lost rank again after this many seconds (default: never)")
     fail.add_argument("--max_restarts", type=int, default=3, help="restarts per rank (default 3)")
 
-    parser.add_argument("user_script", help="the training script (or module with -m, executable with --no_python)")
+    parser.add_argument("user_script", help="the training script (a module with --module, an executable with --no_python)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
 
@@ -101,13 +103,19 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
     layout = _layout(args, max(cuda_devices, 1))
     if not 0 <= args.node_rank < len(layout.nodes):
         raise ValueError(f"--node_rank {args.node_rank} is outside the job's {len(layout.nodes)} node(s)")
-    if args.threads_per_worker < 0:
-        raise ValueError(f"--threads_per_worker {args.threads_per_worker}: give 1 or more, or 0 for 'leave alone'")
+    threads = args.threads_per_worker if args.threads_per_worker is not None else (0 if cuda_devices else 1)
+    if threads < 0:
+        raise ValueError(f"--threads_per_worker {threads}: give 1 or more, or 0 for 'leave alone'")
     program = Program(args.user_script, tuple(args.user_args), args.module, args.no_python, not args.no_local_rank)
+    if not (program.module or program.no_python or os.path.isfile(program.target)):
+        raise ValueError(f"the script {program.target!r} does not exist in {os.getcwd()}; "
+                         f"give its path, or use --module / --no_python")
     policy = ExitPolicy(args.strict, args.error_grace, args.kill_grace, args.restart_failed_after, args.max_restarts)
+    log_ranks = _parse_log_ranks(args.log_ranks)
+    if log_ranks is not None and not log_ranks <= set(range(layout.world_size)):
+        raise ValueError(f"--log_ranks {args.log_ranks}: the job has ranks 0..{layout.world_size - 1}")
     return JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
-                   args.threads_per_worker or None, _parse_log_ranks(args.log_ranks), dict(os.environ),
-                   cuda_available=cuda_devices > 0)
+                   threads or None, log_ranks, dict(os.environ), cuda_available=cuda_devices > 0)
 
 
 def _remote_workers(job: JobSpec, args: argparse.Namespace, sink: OutputSink) -> list[Worker]:
@@ -125,6 +133,15 @@ def _print_dry_run(job: JobSpec, args: argparse.Namespace) -> None:
         print(f"{spec.name}: {shlex.join(spec.argv)}")
     for remote in _remote_workers(job, args, OutputSink(sys.stdout)):
         print(f"{remote.spec.name}: {shlex.join(remote.spec.argv)}")
+
+
+def _warn_if_node0_elsewhere(job: JobSpec) -> None:
+    """Node 0's workers run here; say so when the layout's first host does not look like this machine."""
+    host = job.layout.nodes[0].host
+    here = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
+    if job.node_rank == 0 and host not in here:
+        logger.warning("node 0 is %r in the layout, but its workers run here on %r: start `ds-recycle launch` on "
+                       "the first host of the hostfile", host, socket.gethostname())
 
 
 def _setup_logging(node_rank: int) -> None:
@@ -158,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ds-recycle launch: error: {err}", file=sys.stderr)
         return 2
     job = build_job(args, store.port, cuda_devices)
+    _warn_if_node0_elsewhere(job)
     logger.info("store at %s:%d; node %d of %d runs ranks %s of %d", job.master_addr, job.master_port,
                 job.node_rank, len(job.layout.nodes), list(job.local_ranks), job.layout.world_size)
     sink = OutputSink(sys.stdout)

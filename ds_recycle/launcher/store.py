@@ -3,13 +3,15 @@
 Keys the launchers write (the failure handler of the workers reads them; all values are UTF-8 text):
 
 =============================  =====================================================================
-``ds_recycle/exit/<rank>``     return code of the rank's latest exit: ``"0"``, ``"1"``, ``"-9"`` (negative:
-                               the signal that killed it). Written the moment its launcher reaps it.
+``ds_recycle/exit/<rank>``     return code of the rank's exit: ``"0"``, ``"1"``, ``"-9"`` (negative: the
+                               signal that killed it). Written the moment its launcher reaps it; deleted
+                               when the rank is restarted, so the key exists iff the rank's process is gone.
 ``ds_recycle/exits``           counter (``store.add``) of exits so far, over all ranks and restarts; a worker
                                can poll it cheaply and read the ``exit/<rank>`` keys when it changes.
 ``ds_recycle/restarted/<r>``   ``"<n>"``: rank r was started again for the n-th time (written just before).
 ``ds_recycle/stop``            reason text: a launcher is stopping the whole job. Every launcher polls it
-                               and stops its own workers; a worker may poll it too.
+                               (every 0.25 s) and stops its own workers; a worker may read it, or set it
+                               to stop the job.
 =============================  =====================================================================
 
 Workers reach the store at ``DS_RECYCLE_STORE`` (``host:port``, the same as ``MASTER_ADDR:MASTER_PORT``);

@@ -100,16 +100,21 @@ class Supervisor:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> int:
-        with _Wakeup() as wake:
-            for worker in self._children():
-                worker.start()
-                logger.info("started %s as pid %s", worker.spec.name, worker.pid)
-            while any(w.running for w in self._children()) or self._restart_at:
-                wake.wait(self._sleep_s())
-                self._on_signals(wake.received)
-                wake.received.clear()
-                self._reap()
-                self._fire_timers()
+        try:
+            with _Wakeup() as wake:
+                for worker in self._children():
+                    worker.start()
+                    logger.info("started %s as pid %s", worker.spec.name, worker.pid)
+                while any(w.running for w in self._children()) or self._restart_at:
+                    wake.wait(self._sleep_s())
+                    self._on_signals(wake.received)
+                    wake.received.clear()
+                    self._reap()
+                    self._fire_timers()
+        except BaseException:
+            logger.exception("the launcher failed; killing every worker")
+            self._send_all(signal.SIGKILL)
+            raise
         for worker in self._children():
             worker.join_output(_OUTPUT_DRAIN_S)
         return self._report()
@@ -141,7 +146,9 @@ class Supervisor:
     def _on_exit(self, exit: WorkerExit) -> None:
         self.exits.append(exit)
         log = logger.info if exit.kind is ExitKind.FINISHED or exit.stopped_by_launcher else logger.warning
-        log("%s at t=%.2f s", exit.describe(), time.monotonic() - self._t0)
+        log("%s at t=%.2f s", exit.describe(), time.monotonic() - self._t0,
+            extra={"event": "worker_exit", "rank": exit.rank, "pid": exit.pid, "returncode": exit.returncode,
+                   "exit_kind": exit.kind.value, "restart_count": exit.restart_count})
         if exit.rank is not None:
             self._publish_exit(exit)
         if self._stop_reason is not None:
@@ -199,6 +206,7 @@ class Supervisor:
         count = worker.restart_count + 1
         try:
             self.store.set(keys.restarted_key(rank), str(count))
+            self.store.delete_key(keys.exit_key(rank))  # the key means "this rank's process is gone"
         except (RuntimeError, OSError) as err:
             logger.error("could not record the restart of rank %d in the store: %s", rank, err)
         worker.start(count, {"DS_RECYCLE_RESTART_COUNT": str(count), "TORCHELASTIC_RESTART_COUNT": str(count)})
@@ -208,6 +216,7 @@ class Supervisor:
         """Stop the whole job: tell the other nodes, SIGTERM every worker, SIGKILL after the kill grace."""
         self._stop_reason = reason
         self._restart_at.clear()
+        self._error_deadline = None
         logger.warning("stopping the job: %s", reason)
         try:
             if not self.store.check([keys.STOP_KEY]):

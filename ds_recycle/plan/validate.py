@@ -12,7 +12,7 @@ from ds_recycle.plan.errors import PlanValidationError
 from ds_recycle.plan.ops import Op, OpKind, Worker
 from ds_recycle.plan.plan import Plan
 
-__all__ = ["validate_plan", "validate_document"]
+__all__ = ["validate_plan", "validate_document", "check_channels"]
 
 _F, _B, _W, _O = OpKind.F, OpKind.B, OpKind.W, OpKind.O
 
@@ -182,3 +182,30 @@ def _check_memory(plan: Plan) -> None:
                     _fail(plan, 6, f"holds {held} micro-batches, over memory_limit {plan.memory_limit}", w, i)
             elif op.kind is _W:
                 held -= 1
+
+
+def check_channels(plan: Plan) -> None:
+    """Check that every worker-to-worker channel carries its transfers in the same order at both ends.
+
+    Not a rule of the plan format, but what lets the engine match point-to-point transfers by order
+    alone: for each sender and receiver, the F outputs (B gradients) leave the sender in the order the
+    receiver runs the F (B) that consume them. Raises :class:`PlanValidationError` (rule 0).
+    """
+    for kind, step in ((_F, 1), (_B, -1)):
+        sent: dict[tuple[Worker, Worker], list] = defaultdict(list)
+        got: dict[tuple[Worker, Worker], list] = defaultdict(list)
+        for w, ops in plan.workers.items():
+            s = w[1]
+            for op in ops:
+                if op.kind is not kind:
+                    continue
+                if 0 <= s + step < plan.stages:
+                    sent[(w, plan.worker_of(s + step, op.mb))].append((op.iteration, op.mb))
+                if 0 <= s - step < plan.stages:
+                    got[(plan.worker_of(s - step, op.mb), w)].append((op.iteration, op.mb))
+        for channel, order in sent.items():
+            if got[channel] != order:
+                i = next(j for j, (a, b) in enumerate(zip(order, got[channel])) if a != b)
+                raise PlanValidationError(0, f"{kind.value} transfers on channel {channel[0]} -> {channel[1]} are "
+                                             f"sent in order {order[i:i + 4]}... but consumed in order "
+                                             f"{got[channel][i:i + 4]}...", None, plan.grid())

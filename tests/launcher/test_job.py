@@ -15,6 +15,14 @@ from ds_recycle.launcher.remote import exported_env, launcher_argv, ssh_command
 TWO_NODES = Layout((NodeSlots("worker-0", (0, 1)), NodeSlots("worker-1", (1, 3))))
 
 
+@pytest.fixture(autouse=True)
+def _in_a_dir_with_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run each test where the scripts the options name exist (the launcher checks)."""
+    for name in ("t.py", "train.py"):
+        (tmp_path / name).write_text("")
+    monkeypatch.chdir(tmp_path)
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -57,6 +65,13 @@ def test_user_thread_and_accelerator_settings_win() -> None:
     assert "OMP_NUM_THREADS" not in env and "DS_ACCELERATOR" not in env
 
 
+def test_one_thread_per_worker_by_default_on_cpu_only() -> None:
+    assert cli.build_job(_args("t.py"), 1, cuda_devices=0).threads_per_worker == 1
+    assert cli.build_job(_args("t.py"), 1, cuda_devices=2).threads_per_worker is None
+    assert cli.build_job(_args("--threads_per_worker", "2", "t.py"), 1, cuda_devices=2).threads_per_worker == 2
+    assert cli.build_job(_args("--threads_per_worker", "0", "t.py"), 1, cuda_devices=0).threads_per_worker is None
+
+
 def test_log_ranks_hide_stdout_only() -> None:
     job = cli.build_job(_args("--num_accelerators", "3", "--log_ranks", "0,2", "t.py"), 29500, cuda_devices=0)
     assert [(s.rank, s.show_stdout, s.prefix) for s in worker_specs(job)] == [
@@ -65,10 +80,12 @@ def test_log_ranks_hide_stdout_only() -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--log_ranks", "0,x", "t.py"], "--log_ranks"),
+    (["--num_gpus", "2", "--log_ranks", "0,2", "t.py"], r"ranks 0\.\.1"),
     (["--threads_per_worker", "-1", "t.py"], "--threads_per_worker -1"),
     (["--node_rank", "1", "t.py"], "--node_rank 1 is internal"),
     (["--error_grace", "-2", "t.py"], "error_grace_s=-2"),
     (["--include", "localhost:0", "--num_gpus", "1", "t.py"], "cannot be combined"),
+    (["--num_gpus", "1", "missing.py"], "'missing.py' does not exist"),
 ])
 def test_bad_options_are_named(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -130,3 +147,14 @@ def test_bad_hostfile_exits_2_with_the_reason(tmp_path: Path, capsys: pytest.Cap
     hostfile.write_text("worker-0 slots=two\n")
     assert main(["launch", "--hostfile", str(hostfile), "t.py"]) == 2
     assert "is not 'HOST slots=N'" in capsys.readouterr().err
+
+
+def test_busy_port_exits_2_and_suggests_port_0(capsys: pytest.CaptureFixture[str]) -> None:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ds_recycle.cli import main
+    busy = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
+    assert main(["launch", "--master_port", str(busy.port), "t.py"]) == 2
+    assert "--master_port 0" in capsys.readouterr().err

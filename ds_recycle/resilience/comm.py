@@ -1,0 +1,114 @@
+"""Process groups that a dead peer cannot hang: one gloo group per membership epoch, bounded waits.
+
+After a failure, every group that contained the dead rank is poisoned (gloo peers of the dead rank
+error out, the others block until the group's timeout). So ds_recycle never reuses a group across a
+membership change: each epoch builds fresh gloo groups over a prefix of the launcher's store, with
+ranks renumbered among the members, and abandons the old ones (kept referenced, never destroyed, so
+that no destructor waits on a blocked gloo thread).
+
+Every wait is :func:`bounded_wait`: it polls the operation and a :class:`FailureProbe` (the launcher's
+exit counter, cheap to read) until the operation completes, a worker exits anywhere in the job, or the
+deadline passes; the last two raise :class:`PeerFailure` within milliseconds of the event.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ds_recycle.resilience.store import StoreKeys
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EpochGroup", "FailureProbe", "PeerFailure", "Work", "bounded_wait"]
+
+
+class PeerFailure(RuntimeError):
+    """A peer died or a wait ran past its bound: the membership must be agreed again."""
+
+
+class Work(Protocol):
+    """What gloo returns for an asynchronous operation."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+
+@dataclass
+class FailureProbe:
+    """Answers "has a member of the current epoch exited?" from the launcher's exit keys.
+
+    The exit counter is read on every check (one cheap store round trip); only when it moved are the
+    members' exit keys looked at, so the exit of a rank that is already out of the membership (or a
+    report that arrives after this rank noticed the failure by itself) is not mistaken for a new failure.
+    """
+
+    store: dist.Store
+    members: tuple[int, ...] = ()
+    keys: StoreKeys = field(default_factory=StoreKeys)
+    _count: int = -1
+
+    def arm(self, members: Sequence[int]) -> "FailureProbe":
+        """Watch ``members`` from now on (at the start of an epoch)."""
+        self.members = tuple(members)
+        self._count = -1
+        return self
+
+    def failed(self) -> bool:
+        count = int(self.store.add(self.keys.exits, 0))
+        if count == self._count:
+            return False
+        self._count = count
+        return any(self.store.check([self.keys.exit(r)]) for r in self.members)
+
+
+def bounded_wait(work: Work, probe: FailureProbe | None, timeout_s: float, what: str,
+                 poll_s: float = 0.0005) -> None:
+    """Wait for ``work``; raise :class:`PeerFailure` on a worker exit or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    checks = 0
+    while not work.is_completed():
+        checks += 1
+        if probe is not None and checks % 20 == 0 and probe.failed():
+            raise PeerFailure(f"{what}: a worker exited while waiting")
+        if time.monotonic() > deadline:
+            raise PeerFailure(f"{what}: no completion within {timeout_s} s (raise the timeout if peers are slow)")
+        time.sleep(poll_s)
+    try:
+        work.wait()
+    except RuntimeError as e:  # gloo reports the dead pair ("Connection closed by peer", "Read error")
+        raise PeerFailure(f"{what}: {e}") from e
+
+
+class EpochGroup:
+    """A gloo group over ``members`` (global ranks) for one membership epoch, with global-rank addressing.
+
+    Whoever replaces a group keeps a reference to the old one until the job ends: destroying a gloo
+    group closes its connections, which members still blocked in it would take for a new failure.
+    """
+
+    def __init__(self, store: dist.Store, name: str, members: Sequence[int], rank: int, timeout_s: float) -> None:
+        self.members = sorted(members)
+        if rank not in self.members:
+            raise ValueError(f"rank {rank} is not a member of group {name} {self.members}")
+        self.name = name
+        self.index = {r: i for i, r in enumerate(self.members)}
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ds_recycle/pg/{name}/", store), self.index[rank],
+                                        len(self.members), timedelta(seconds=timeout_s))
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        return self.pg.send([tensor], self.index[dst], tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        return self.pg.recv([tensor], self.index[src], tag)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self.pg.allreduce([tensor], opts)

@@ -1,0 +1,46 @@
+"""Epoch groups and bounded waits: a SIGKILLed peer becomes a PeerFailure, survivors regroup and go on."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ds_recycle.resilience import StoreKeys
+
+WORKER = Path(__file__).with_name("_comm_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_survivors_detect_regroup_and_continue() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    env = {**os.environ, "DS_RECYCLE_STORE": f"127.0.0.1:{store.port}", "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "4", "400"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(4)]
+    try:
+        store.wait([f"test/ready/{r}" for r in range(4)], timedelta(seconds=60))  # all in the loop
+        time.sleep(0.2)
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait(timeout=10)
+        keys = StoreKeys()  # what ds-recycle launch does when it reaps a worker
+        store.set(keys.exit(2), str(procs[2].returncode))
+        store.add(keys.exits, 1)
+        outs = {r: procs[r].communicate(timeout=90)[0] for r in (0, 1, 3)}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, out in outs.items():
+        assert procs[r].returncode == 0, out
+        assert "recovered members=[0, 1, 3]" in out, out
+        assert f"rank {r} done members=[0, 1, 3]" in out, out
+        recovery = float(out.split(" in ")[1].split("s after")[0])
+        assert recovery < 10.0, out  # bounded: agreement, not a gloo timeout of 30 s
