@@ -44,13 +44,21 @@ which gets ``--kill_grace`` seconds before SIGKILL; a SIGKILLed launcher takes i
 **Several hosts** (``--hostfile``, ``--include``/``--exclude``, ``--num_nodes``): node 0 is the first host of
 the layout and must be the host where ``ds-recycle launch`` is run; it hosts the store and starts, for every
 other node, ``ssh HOST 'cd CWD && env VARS python -u -m ds_recycle launch --node_rank K --world_info ...'``
-(:mod:`.remote`). Remote launchers connect to the store, run their ranks, record their exits and obey
-``ds_recycle/stop``; node 0 computes the job's status from every rank's exit key. **Only single-host jobs are
-tested.** The hostfile parsing and the generated ssh commands are tested, but nothing has been run over ssh:
-untested are the remote store connection across machines (node 0's store must be reachable at
-``--master_addr``), the shutdown of remote workers when node 0 stops the job or dies (they are stopped by the
-remote launcher when it sees ``ds_recycle/stop`` or loses the store; ssh itself forwards no signal), and
-environments that differ between hosts.
+(:mod:`.remote`). With ``--no_ssh`` it starts nothing: the user (or a scheduler) runs ``ds-recycle launch
+--no_ssh --node_rank K`` with the same hostfile and a fixed ``--master_port`` on each node, and node 0 waits
+until every rank of every node has an exit key (:mod:`.nodes`). Remote launchers connect to the store,
+announce themselves (``ds_recycle/node/<k>``), run their ranks, record their exits and obey
+``ds_recycle/stop``; an error on any node stops every node after the grace. Node 0 computes the job's status
+from every rank's exit key.
+
+What is tested: all of the above on one machine with two launchers as two "nodes" (``--no_ssh``, a hostfile
+naming ``localhost`` and ``127.0.0.1``): cross-launcher rendezvous, remote exit records, node 0's job status,
+an error on node 1 stopping node 0. The hostfile parsing and the generated ssh command lines are tested as
+data. **Never run: ssh itself and two real machines**, i.e. the ssh start-up (passwordless login, the same
+working directory and interpreter path on every host), the store reached over a real network at
+``--master_addr`` (its server listens on every interface, checked on one machine), and remote shutdown when
+node 0 is SIGKILLed (ssh forwards no signal: the remote launcher stops its workers only when it notices that
+the store is gone, within 0.25 s of its next poll).
 """
 from __future__ import annotations
 

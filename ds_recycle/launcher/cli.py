@@ -43,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="address of node 0's store (default: 127.0.0.1; with several hosts, the first host)")
     where.add_argument("--master_port", type=int, default=_DEFAULT_PORT, help="store port; 0 picks a free one")
     where.add_argument("--ssh_port", type=int, default=None, help="ssh port of the other hosts")
-    where.add_argument("--node_rank", type=int, default=0, help=argparse.SUPPRESS)
+    where.add_argument("--no_ssh", action="store_true",
+                       help="start no other node: run `ds-recycle launch --no_ssh --node_rank K ...` on each node "
+                            "yourself, with the same hostfile and a fixed --master_port")
+    where.add_argument("--node_rank", type=int, default=0, help="this node's index in the layout (with --no_ssh)")
     where.add_argument("--world_info", default=None, help=argparse.SUPPRESS)
     where.add_argument("--store_timeout", type=float, default=120.0,
                        help="seconds a remote node waits for node 0's store (default 120)")
@@ -83,8 +86,10 @@ def _parse_log_ranks(text: str | None) -> frozenset[int] | None:
 def _layout(args: argparse.Namespace, local_slots: int) -> Layout:
     if args.world_info is not None:
         return Layout.decode(args.world_info)
-    if args.node_rank != 0:
-        raise ValueError(f"--node_rank {args.node_rank} is internal: it needs --world_info from node 0's launcher")
+    if args.node_rank != 0 and not args.no_ssh:
+        raise ValueError(f"--node_rank {args.node_rank} needs --no_ssh (node 0 starts the other nodes over ssh)")
+    if args.node_rank != 0 and args.master_port == 0:
+        raise ValueError("--master_port 0 on a node other than 0: give node 0's actual store port")
     return resolve_layout(args.hostfile, args.include, args.exclude, args.num_nodes, args.num_accelerators,
                           local_slots)
 
@@ -92,7 +97,7 @@ def _layout(args: argparse.Namespace, local_slots: int) -> Layout:
 def _master_addr(args: argparse.Namespace, layout: Layout) -> str:
     multi = len(layout.nodes) > 1
     addr = args.master_addr or (layout.nodes[0].host if multi else "127.0.0.1")
-    if multi and addr in _LOOPBACK:
+    if multi and addr in _LOOPBACK and not args.no_ssh:
         raise ValueError(f"--master_addr {addr!r}: the other hosts cannot reach node 0 there; "
                          f"give node 0's address as the other hosts see it")
     return addr
@@ -131,7 +136,7 @@ def _print_dry_run(job: JobSpec, args: argparse.Namespace) -> None:
         print(f"node {k}: {node.host} slots {list(node.slots)} ranks {first}..{first + len(node.slots) - 1}")
     for spec in worker_specs(job):
         print(f"{spec.name}: {shlex.join(spec.argv)}")
-    for remote in _remote_workers(job, args, OutputSink(sys.stdout)):
+    for remote in [] if args.no_ssh else _remote_workers(job, args, OutputSink(sys.stdout)):
         print(f"{remote.spec.name}: {shlex.join(remote.spec.argv)}")
 
 
@@ -157,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     from ds_recycle.launcher import store as stores
     from ds_recycle.launcher.supervisor import Supervisor
 
+    from ds_recycle.launcher.nodes import OtherNodes
+
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
         job = build_job(args, args.master_port, cuda_devices)
@@ -171,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             store = stores.host_store(job.master_addr, args.master_port, args.store_timeout)
         else:
             store = stores.connect_store(job.master_addr, args.master_port, args.store_timeout)
+            store.set(stores.node_key(job.node_rank), socket.gethostname())
     except OSError as err:
         print(f"ds-recycle launch: error: {err}", file=sys.stderr)
         return 2
@@ -180,5 +188,9 @@ def run(args: argparse.Namespace) -> int:
                 job.node_rank, len(job.layout.nodes), list(job.local_ranks), job.layout.world_size)
     sink = OutputSink(sys.stdout)
     workers = [Worker(spec, sink) for spec in worker_specs(job)]
-    remotes = _remote_workers(job, args, sink) if job.node_rank == 0 else []
-    return Supervisor(job, store, workers, remotes, hosts_store=job.node_rank == 0).run()
+    node0 = job.node_rank == 0
+    remotes = _remote_workers(job, args, sink) if node0 and not args.no_ssh else []
+    others = None
+    if node0 and args.no_ssh and len(job.layout.nodes) > 1:
+        others = OtherNodes(store, job.layout, range(1, len(job.layout.nodes)), args.store_timeout)
+    return Supervisor(job, store, workers, remotes, hosts_store=node0, others=others).run()

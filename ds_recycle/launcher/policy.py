@@ -19,7 +19,9 @@ With ``--strict`` (what `deepspeed` and `torchrun` do), any non-zero exit stops 
 The job's status is 0 when no rank ended in an error (with ``--strict``: no rank ended other than finished)
 and at least one rank finished; 1 otherwise. A rank's *final* exit counts, so a lost rank that was restarted
 and then finished counts as finished. A rank with no recorded exit (its node never started) counts as an error.
-When the launcher itself is stopped by SIGINT/SIGTERM, its status is 128 + the signal number.
+A job that was stopped (``--strict``, an error, a request in ``ds_recycle/stop``, a lost store) has status
+1 on every node, since it did not complete; when the launcher itself is stopped by SIGINT/SIGTERM, its status
+is 128 + the signal number.
 """
 from __future__ import annotations
 

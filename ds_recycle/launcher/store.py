@@ -9,6 +9,7 @@ Keys the launchers write (the failure handler of the workers reads them; all val
 ``ds_recycle/exits``           counter (``store.add``) of exits so far, over all ranks and restarts; a worker
                                can poll it cheaply and read the ``exit/<rank>`` keys when it changes.
 ``ds_recycle/restarted/<r>``   ``"<n>"``: rank r was started again for the n-th time (written just before).
+``ds_recycle/node/<k>``        host name of node k's launcher, written when it has connected (nodes > 0).
 ``ds_recycle/stop``            reason text: a launcher is stopping the whole job. Every launcher polls it
                                (every 0.25 s) and stops its own workers; a worker may read it, or set it
                                to stop the job.
@@ -24,7 +25,7 @@ from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
 
-__all__ = ["EXITS_KEY", "STOP_KEY", "exit_key", "restarted_key", "host_store", "connect_store", "read_int"]
+__all__ = ["EXITS_KEY", "STOP_KEY", "exit_key", "node_key", "restarted_key", "host_store", "connect_store", "read_int"]
 
 EXITS_KEY = "ds_recycle/exits"
 STOP_KEY = "ds_recycle/stop"
@@ -32,6 +33,10 @@ STOP_KEY = "ds_recycle/stop"
 
 def exit_key(rank: int) -> str:
     return f"ds_recycle/exit/{rank}"
+
+
+def node_key(node_rank: int) -> str:
+    return f"ds_recycle/node/{node_rank}"
 
 
 def restarted_key(rank: int) -> str:

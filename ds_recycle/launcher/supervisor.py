@@ -20,6 +20,7 @@ from torch.distributed import Store
 
 from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.job import JobSpec
+from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
 from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
 
@@ -83,12 +84,16 @@ class Supervisor:
     """Runs one node's share of a job to the end and returns the launcher's exit status."""
 
     def __init__(self, job: JobSpec, store: Store, workers: Sequence[Worker], remotes: Sequence[Worker] = (),
-                 hosts_store: bool = True) -> None:
+                 hosts_store: bool = True, others: OtherNodes | None = None) -> None:
+        """``remotes``: node 0's ssh children; ``others``: nodes started elsewhere (``--no_ssh``) to wait for."""
         self.job = job
         self.store = store
         self.workers = {w.spec.rank: w for w in workers if w.spec.rank is not None}
         self.remotes = list(remotes)
         self.hosts_store = hosts_store
+        self.others = others
+        self._others_pending = others is not None
+        self._store_lost = False
         self.exits: list[WorkerExit] = []
         self._restart_at: dict[int, float] = {}
         self._error_deadline: float | None = None
@@ -105,7 +110,7 @@ class Supervisor:
                 for worker in self._children():
                     worker.start()
                     logger.info("started %s as pid %s", worker.spec.name, worker.pid)
-                while any(w.running for w in self._children()) or self._restart_at:
+                while self._busy():
                     wake.wait(self._sleep_s())
                     self._on_signals(wake.received)
                     wake.received.clear()
@@ -118,6 +123,12 @@ class Supervisor:
         for worker in self._children():
             worker.join_output(_OUTPUT_DRAIN_S)
         return self._report()
+
+    def _busy(self) -> bool:
+        if any(w.running for w in self._children()) or self._restart_at or self._others_pending:
+            return True
+        # several nodes: an error must still reach the other nodes (as ds_recycle/stop) when its grace ends
+        return self._error_deadline is not None and len(self.job.layout.nodes) > 1
 
     def _children(self) -> list[Worker]:
         return [*self.workers.values(), *self.remotes]
@@ -167,6 +178,8 @@ class Supervisor:
 
     def _publish_exit(self, exit: WorkerExit) -> None:
         assert exit.rank is not None
+        if self._store_lost:
+            return
         try:
             self.store.set(keys.exit_key(exit.rank), str(exit.returncode))
             self.store.add(keys.EXITS_KEY, 1)
@@ -188,17 +201,31 @@ class Supervisor:
                 self._send_all(signal.SIGKILL)
         if now >= self._next_stop_poll:
             self._next_stop_poll = now + _STOP_KEY_POLL_S
-            self._poll_stop_key()
+            self._poll_store()
 
-    def _poll_stop_key(self) -> None:
-        if self._stop_reason is not None:
+    def _poll_store(self) -> None:
+        if self._store_lost:
             return
         try:
-            if self.store.check([keys.STOP_KEY]):
+            if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
                 self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
+            if self.others is not None:
+                self._poll_others(self.others)
         except (RuntimeError, OSError) as err:
             if not self.hosts_store:
-                self._stop(f"lost the store of node 0 ({err})")
+                self._store_lost = True
+                if self._stop_reason is None:
+                    self._stop(f"lost the store of node 0 ({err})")
+
+    def _poll_others(self, others: OtherNodes) -> None:
+        missing = others.missing_nodes() if self._stop_reason is None else []
+        if missing:
+            self._stop(f"node(s) {missing} did not connect to the store in time")
+        if self._stop_reason is not None:
+            others.give_up_after(self.job.policy.kill_grace_s + 2 * _STOP_KEY_POLL_S + 5.0)
+        was_pending, self._others_pending = self._others_pending, others.pending()
+        if was_pending and not self._others_pending:
+            logger.info("done waiting for the ranks of nodes %s", list(others.node_ranks))
 
     # ---- actions ----------------------------------------------------------------------------------------------
     def _restart(self, rank: int) -> None:
@@ -219,7 +246,7 @@ class Supervisor:
         self._error_deadline = None
         logger.warning("stopping the job: %s", reason)
         try:
-            if not self.store.check([keys.STOP_KEY]):
+            if not self._store_lost and not self.store.check([keys.STOP_KEY]):
                 self.store.set(keys.STOP_KEY, f"node {self.job.node_rank}: {reason}")
         except (RuntimeError, OSError):
             pass
@@ -236,7 +263,7 @@ class Supervisor:
         for exit in self.exits:
             if exit.rank is not None:
                 final[exit.rank] = exit.returncode
-        if self.remotes:  # node 0 of a multi-host job: the other nodes' ranks come from the store
+        if self.remotes or self.others:  # node 0 of a multi-host job: the other nodes' ranks come from the store
             for rank in range(self.job.layout.world_size):
                 if rank not in final:
                     final[rank] = self._stored_code(rank)
@@ -251,6 +278,8 @@ class Supervisor:
     def _report(self) -> int:
         final = self._final_codes()
         status = job_status(final, self.job.policy.strict, require_finished=self.hosts_store)
+        if self._stop_reason is not None:  # a job that had to be stopped did not complete
+            status = max(status, 1)
         if self._signal is not None:
             status = 128 + int(self._signal)
         for exit in sorted(self.exits, key=lambda e: (e.rank is None, e.rank or 0, e.restart_count)):

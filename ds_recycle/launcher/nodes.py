@@ -1,0 +1,54 @@
+"""Node 0's watch over nodes whose launchers it did not start (``--no_ssh``): did they connect, are they done.
+
+With ``--no_ssh`` every node's launcher is started by someone else (a scheduler, a person), with the same
+hostfile and ``--node_rank K``. Node 0 hosts the store and must keep it up until every rank of every node
+has exited, so it waits for their ``ds_recycle/exit/<rank>`` keys. Each launcher of node K > 0 writes
+``ds_recycle/node/<K>`` (its host name) when it has connected; a node that has not done so within the
+connect timeout is reported and the job is stopped, since its ranks can never join.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+from torch.distributed import Store
+
+from ds_recycle.launcher import store as keys
+from ds_recycle.launcher.hosts import Layout
+
+__all__ = ["OtherNodes"]
+
+logger = logging.getLogger(__name__)
+
+
+class OtherNodes:
+    """The ranks of ``node_ranks`` as node 0 sees them through the store."""
+
+    def __init__(self, store: Store, layout: Layout, node_ranks: Sequence[int], connect_timeout_s: float) -> None:
+        self.store = store
+        self.node_ranks = tuple(node_ranks)
+        self.ranks = tuple(r for k in self.node_ranks
+                           for r in range(layout.offset(k), layout.offset(k) + len(layout.nodes[k].slots)))
+        self._connect_deadline = time.monotonic() + connect_timeout_s
+        self._connected: set[int] = set()
+        self._give_up_at: float | None = None
+
+    def missing_nodes(self) -> list[int]:
+        """Nodes that have not connected by the deadline (empty before the deadline)."""
+        if len(self._connected) < len(self.node_ranks):
+            self._connected |= {k for k in self.node_ranks if self.store.check([keys.node_key(k)])}
+        if time.monotonic() < self._connect_deadline:
+            return []
+        return [k for k in self.node_ranks if k not in self._connected]
+
+    def pending(self) -> bool:
+        """Some rank of these nodes has not exited yet (False once :meth:`give_up_after` has expired)."""
+        if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
+            return False
+        return not self.store.check([keys.exit_key(r) for r in self.ranks])
+
+    def give_up_after(self, seconds: float) -> None:
+        """Stop waiting for exits ``seconds`` from now (the job is being stopped; a node may be gone)."""
+        if self._give_up_at is None:
+            self._give_up_at = time.monotonic() + seconds
