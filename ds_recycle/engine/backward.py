@@ -4,9 +4,10 @@ Every *owner* module (a module with trainable parameters of its own) gets a forw
 stage's forward, the hooks record each owner's output tensor. Then:
 
 - **B** (:func:`backward_input`): one ``torch.autograd.grad`` from the stage output to the stage input
-  *and* to every recorded owner output (``retain_graph=True``). Autograd runs only the input-gradient
-  half of each node (no weight-gradient matmul, no ``.grad`` touched) and hands back
-  ``d loss / d output`` of every owner.
+  (``retain_graph=True``). Autograd runs only the input-gradient half of each node (no weight-gradient
+  matmul, no ``.grad`` touched); a gradient hook on every recorded owner output keeps
+  ``d loss / d output`` as it flows past (no copy). Owner outputs off the path to the input (and every
+  owner on the first stage, whose input is token ids) are asked for explicitly.
 - **W** (:meth:`WeightGradWork.run`): for each owner, ``torch.autograd.backward(output, grad,
   inputs=own parameters)``. That walks only the owner's own nodes (e.g. the ``addmm`` of a ``Linear``),
   so W costs the weight-gradient work alone instead of re-walking the stage's input-gradient chain.
@@ -18,6 +19,7 @@ whole-stage W (``backward(output, grad, inputs=all parameters)``), which is alwa
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +41,11 @@ class Captured:
     """``(owner, output, output version at capture)`` in call order."""
     exact: bool = True
     """False when the per-owner split would be wrong for this forward (see the module docstring)."""
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Gradients of ``outputs[i]`` caught by the hooks during B."""
+
+    def keep(self, index: int, grad: torch.Tensor) -> None:
+        self.grads[index] = grad
 
 
 class OwnerCapture:
@@ -73,6 +80,7 @@ class OwnerCapture:
             cap.exact = False
             return
         if output.requires_grad:
+            output.register_hook(functools.partial(cap.keep, len(cap.outputs)))
             cap.outputs.append((module, output, output._version))
 
     @contextmanager
@@ -104,20 +112,25 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, stage
     ``output`` is the stage output (the scaled loss on the last stage, with ``grad_output`` None).
     """
     grad_root = [grad_output] if grad_output is not None else None
+    whole_stage = WeightGradWork([([output], grad_root or [torch.ones_like(output)], capture.all_params)])
     want_input = stage_input is not None and stage_input.requires_grad
     owners = captured.outputs
     exact = captured.exact and all(t._version == v for _, t, v in owners)
-    targets: list[torch.Tensor] = ([stage_input] if want_input else []) + ([t for _, t, _ in owners] if exact else [])
-    if not targets:  # nothing upstream wants a gradient (first stage, whole-stage W): W does everything
-        return None, WeightGradWork([([output], grad_root or [torch.ones_like(output)], capture.all_params)])
-    grads = torch.autograd.grad([output], targets, grad_root, retain_graph=True, allow_unused=True)
-    input_grad = grads[0] if want_input else None
+    if not want_input and not (exact and owners):  # nothing upstream wants a gradient: W does everything
+        return None, whole_stage
+    captured.grads.clear()
+    input_grad = None
+    if want_input:
+        assert stage_input is not None
+        input_grad = torch.autograd.grad([output], [stage_input], grad_root, retain_graph=True)[0]
     if not exact:
-        return input_grad, WeightGradWork([([output], grad_root or [torch.ones_like(output)], capture.all_params)])
-    passes = []
-    for (module, tensor, _), grad in zip(owners, grads[1:] if want_input else grads):
-        if grad is not None:
-            passes.append(([tensor], [grad], capture.params[id(module)]))
+        return input_grad, whole_stage
+    missing = [i for i in range(len(owners)) if i not in captured.grads]
+    if missing:  # off the input's path (or no input gradient at all): ask for those outputs explicitly
+        found = torch.autograd.grad([output], [owners[i][1] for i in missing], grad_root, retain_graph=True,
+                                    allow_unused=True)
+        captured.grads.update({i: g for i, g in zip(missing, found) if g is not None})
+    passes = [([tensor], [captured.grads[i]], capture.params[id(module)])
+              for i, (module, tensor, _) in enumerate(owners) if i in captured.grads]
+    captured.grads = {}
     return input_grad, WeightGradWork(passes)
-
-
