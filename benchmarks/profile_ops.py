@@ -37,9 +37,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+DEVICE = torch.device("cpu")
+
+
 def _clock() -> float:
-    """Process CPU time: with one compute thread it is the op's compute time, and it does not count the time
-    other processes of a shared machine hold the cores (wall time would)."""
+    """CPU: process CPU time (with one compute thread it is the op's compute time, and it does not count the
+    time other processes of a shared machine hold the cores). CUDA: wall time after a device synchronize."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        return time.perf_counter()
     return time.process_time()
 
 
@@ -73,15 +79,15 @@ def profile_stage(stage: int, stages: int, tcfg, repeats: int) -> dict[str, floa
 
     mcfg = tcfg.recycle.model
     torch.manual_seed(stage)
-    module = torch.nn.Sequential(*[spec.build() for spec in stage_layers(mcfg, stages)[stage]])
+    module = torch.nn.Sequential(*[spec.build() for spec in stage_layers(mcfg, stages)[stage]]).to(DEVICE)
     capture = OwnerCapture(module)
     mbs, t, d = tcfg.micro_batch_size, mcfg.seq_len, mcfg.d_model
-    tokens = torch.randint(0, mcfg.vocab_size, (mbs, t))
+    tokens = torch.randint(0, mcfg.vocab_size, (mbs, t), device=DEVICE)
     first, last = stage == 0, stage == stages - 1
-    grad_out = None if last else torch.randn(mbs, t, d)
+    grad_out = None if last else torch.randn(mbs, t, d, device=DEVICE)
 
     def forward() -> tuple[torch.Tensor, object, torch.Tensor | None]:
-        x = tokens if first else torch.randn(mbs, t, d).requires_grad_(True)
+        x = tokens if first else torch.randn(mbs, t, d, device=DEVICE).requires_grad_(True)
         with capture.capture() as cap:
             out = module(x)
             if last:
@@ -154,13 +160,16 @@ def _pingpong(rank: int, port: int, numel: int, repeats: int, out: str) -> None:
 def measure_comm(numel: int, repeats: int) -> float:
     import tempfile
 
+    import socket
+
     import torch.multiprocessing as mp
 
-    from tests.engine.spawn import free_port
-
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm.json")
-        mp.spawn(_pingpong, args=(free_port(), numel, repeats, out), nprocs=2, join=True)
+        mp.spawn(_pingpong, args=(port, numel, repeats, out), nprocs=2, join=True)
         return float(json.loads(Path(out).read_text()))
 
 
@@ -169,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed_config", required=True)
     p.add_argument("--out", required=True, help="cost-profile JSON to write (the planner's --costs-file)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to time F, B, W and O (auto: CUDA when present); comm is always gloo between "
+                        "two processes of this host")
     args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
     torch.set_num_threads(1)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from ds_recycle.config import load_config
@@ -183,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     profile.update({"comm": round(comm, 4), "units": "ms", "fused_backward": [round(r["fused_backward"], 4) for r in rows],
                     "bw_over_fused": [round(r["bw_over_fused"], 4) for r in rows],
                     "bw_over_fused_best": [round(r["bw_over_fused_best"], 4) for r in rows],
-                    "device": f"cpu ({platform.processor() or platform.machine()}, 1 thread, torch {torch.__version__})",
+                    "device": (torch.cuda.get_device_name() if DEVICE.type == "cuda" else
+                               f"cpu ({platform.processor() or platform.machine()}, 1 thread)") + f", torch {torch.__version__}",
                     "config": args.deepspeed_config, "command": " ".join(["python", *sys.argv])})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile, indent=2))

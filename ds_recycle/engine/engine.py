@@ -145,6 +145,11 @@ class RecyclePipelineEngine(PipelineEngine):
         self.iteration += 1
         return self._iteration_loss
 
+    def eval_batch(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Not supported: DeepSpeed's evaluation schedule talks to same-pipeline neighbours only."""
+        raise NotImplementedError("RecyclePipelineEngine does not evaluate: DeepSpeed's eval_batch uses "
+                                  "same-pipeline p2p and a WORLD barrier; evaluate with the vanilla engine")
+
     def finish(self) -> StepOutcome | None:
         """Complete the last optimizer step (post-validation) and outstanding sends; call after training."""
         self._exec_finish_optimizer_step()
