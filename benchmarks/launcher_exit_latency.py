@@ -41,6 +41,14 @@ def _read_until(proc: subprocess.Popen[bytes], pattern: str, count: int, timeout
     return found
 
 
+def _gone(proc: psutil.Process) -> bool:
+    """Dead: a zombie waiting to be reaped, or already reaped."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def trial() -> tuple[float, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", "2", "--master_port",
@@ -55,7 +63,7 @@ def trial() -> tuple[float, float]:
         os.kill(pids[1], signal.SIGKILL)
         seen_dead = None
         while not store.check(["ds_recycle/exit/1"]):
-            if seen_dead is None and (not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE):
+            if seen_dead is None and _gone(victim):
                 seen_dead = time.perf_counter()
         in_store = time.perf_counter()
         return (seen_dead or in_store) - killed, in_store - killed

@@ -14,7 +14,8 @@ line and environment of each rank), :mod:`.worker` (one process), :mod:`.policy`
 
 **Environment of each worker.** The env:// contract (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, plus `deepspeed`'s ``LOCAL_SIZE``, ``CROSS_RANK``,
-``CROSS_SIZE`` and ``CUDA_VISIBLE_DEVICES`` = the node's slots), and ``TORCHELASTIC_USE_AGENT_STORE=True``:
+``CROSS_SIZE`` and ``CUDA_VISIBLE_DEVICES`` = the node's slots, mapped through the launcher's own
+``CUDA_VISIBLE_DEVICES`` when that lists device numbers), and ``TORCHELASTIC_USE_AGENT_STORE=True``:
 in torch's ``rendezvous.py`` that is the only switch that makes every rank, rank 0 included, connect to the
 existing store as a client instead of rank 0 creating one. No key prefix is needed: ``init_process_group``
 puts its keys under ``default_pg``. (A restarted rank that wants a fresh world must build its groups under a
@@ -51,14 +52,15 @@ announce themselves (``ds_recycle/node/<k>``), run their ranks, record their exi
 ``ds_recycle/stop``; an error on any node stops every node after the grace. Node 0 computes the job's status
 from every rank's exit key.
 
-What is tested: all of the above on one machine with two launchers as two "nodes" (``--no_ssh``, a hostfile
-naming ``localhost`` and ``127.0.0.1``): cross-launcher rendezvous, remote exit records, node 0's job status,
-an error on node 1 stopping node 0. The hostfile parsing and the generated ssh command lines are tested as
-data. **Never run: ssh itself and two real machines**, i.e. the ssh start-up (passwordless login, the same
-working directory and interpreter path on every host), the store reached over a real network at
-``--master_addr`` (its server listens on every interface, checked on one machine), and remote shutdown when
-node 0 is SIGKILLed (ssh forwards no signal: the remote launcher stops its workers only when it notices that
-the store is gone, within 0.25 s of its next poll).
+What is tested: all of the above on one machine with two launchers as two "nodes" (a hostfile naming
+``localhost`` and ``127.0.0.1``): with ``--no_ssh``, cross-launcher rendezvous, remote exit records, node 0's
+job status, an error on node 1 stopping node 0, node 1 stopping its workers when node 0 is SIGKILLed; and
+node 0 starting node 1 through its generated ssh command line, run by a stand-in ``ssh`` that executes the
+command locally. **Never run: real ssh and two real machines**, i.e. passwordless login, the same working
+directory and interpreter path on every host, the store reached over a real network at ``--master_addr``
+(its server listens on every interface, checked on one machine), and what ssh does with its session when
+node 0 kills it (the remote launcher stops its workers anyway once it sees ``ds_recycle/stop`` or loses
+the store, within 0.25 s).
 """
 from __future__ import annotations
 

@@ -16,12 +16,16 @@ import os
 import shlex
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from ds_recycle.launcher.hosts import HostfileError, Layout, resolve_layout
 from ds_recycle.launcher.job import JobSpec, Program, worker_specs
 from ds_recycle.launcher.policy import ExitPolicy
 from ds_recycle.launcher.remote import default_env_files, exported_env, ssh_command
 from ds_recycle.launcher.worker import OutputSink, Worker, WorkerSpec
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 __all__ = ["add_arguments", "run", "build_job"]
 
@@ -119,13 +123,15 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
     log_ranks = _parse_log_ranks(args.log_ranks)
     if log_ranks is not None and not log_ranks <= set(range(layout.world_size)):
         raise ValueError(f"--log_ranks {args.log_ranks}: the job has ranks 0..{layout.world_size - 1}")
-    return JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
-                   threads or None, log_ranks, dict(os.environ), cuda_available=cuda_devices > 0)
+    job = JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
+                  threads or None, log_ranks, dict(os.environ), cuda_available=cuda_devices > 0)
+    worker_specs(job)  # raises ValueError now for what only the per-rank environment can reveal
+    return job
 
 
 def _remote_workers(job: JobSpec, args: argparse.Namespace, sink: OutputSink) -> list[Worker]:
     env = exported_env(os.environ, default_env_files())
-    return [Worker(WorkerSpec(f"node {k} ({node.host})", None, tuple(ssh_command(job, k, os.getcwd(), env,
+    return [Worker(WorkerSpec(f"node {k} on {node.host}", None, tuple(ssh_command(job, k, os.getcwd(), env,
                                                                                 args.ssh_port)), dict(os.environ)),
                    sink) for k, node in enumerate(job.layout.nodes) if k > 0]
 
@@ -155,31 +161,35 @@ def _setup_logging(node_rank: int) -> None:
                             format=f"[ds-recycle launch node {node_rank}] %(asctime)s %(levelname)s %(message)s")
 
 
+def _open_store(job: JobSpec, args: argparse.Namespace) -> TCPStore:
+    """Node 0 hosts the store (``--master_port 0``: any free port); other nodes connect and announce themselves."""
+    from ds_recycle.launcher import store as stores
+
+    if job.node_rank == 0:
+        return stores.host_store(job.master_addr, args.master_port, args.store_timeout)
+    store = stores.connect_store(job.master_addr, args.master_port, args.store_timeout)
+    try:
+        store.set(stores.node_key(job.node_rank), socket.gethostname())
+    except RuntimeError as err:
+        raise OSError(f"node 0's store at {job.master_addr}:{args.master_port} went away: {err}") from err
+    return store
+
+
 def run(args: argparse.Namespace) -> int:
     _setup_logging(args.node_rank)
     import torch  # deferred: `ds-recycle launch --help` stays fast
 
-    from ds_recycle.launcher import store as stores
-    from ds_recycle.launcher.supervisor import Supervisor
-
     from ds_recycle.launcher.nodes import OtherNodes
+    from ds_recycle.launcher.supervisor import Supervisor
 
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
         job = build_job(args, args.master_port, cuda_devices)
-    except ValueError as err:  # HostfileError is a ValueError
-        print(f"ds-recycle launch: error: {err}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        _print_dry_run(job, args)
-        return 0
-    try:
-        if job.node_rank == 0:
-            store = stores.host_store(job.master_addr, args.master_port, args.store_timeout)
-        else:
-            store = stores.connect_store(job.master_addr, args.master_port, args.store_timeout)
-            store.set(stores.node_key(job.node_rank), socket.gethostname())
-    except OSError as err:
+        if args.dry_run:
+            _print_dry_run(job, args)
+            return 0
+        store = _open_store(job, args)
+    except (ValueError, OSError) as err:  # HostfileError is a ValueError
         print(f"ds-recycle launch: error: {err}", file=sys.stderr)
         return 2
     job = build_job(args, store.port, cuda_devices)

@@ -71,7 +71,7 @@ def worker_env(job: JobSpec, rank: int) -> dict[str, str]:
         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
         "DS_RECYCLE_LAUNCHER": "1", "DS_RECYCLE_STORE": f"{job.master_addr}:{job.master_port}",
         "DS_RECYCLE_RESTART_COUNT": "0", "DS_RECYCLE_LOST_EXIT_CODE": str(LOST_EXIT_CODE),
-        "CUDA_VISIBLE_DEVICES": ",".join(str(slot) for slot in node.slots),
+        "CUDA_VISIBLE_DEVICES": _visible_devices(node.slots, job.base_env.get("CUDA_VISIBLE_DEVICES")),
         "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
     })
     if job.threads_per_worker is not None and "OMP_NUM_THREADS" not in job.base_env:
@@ -79,6 +79,17 @@ def worker_env(job: JobSpec, rank: int) -> dict[str, str]:
     if not job.cuda_available and "DS_ACCELERATOR" not in job.base_env:
         env["DS_ACCELERATOR"] = "cpu"
     return env
+
+
+def _visible_devices(slots: tuple[int, ...], inherited: str | None) -> str:
+    """The node's slots as device ids; slot i means the i-th device the launcher itself sees, if it sees a subset."""
+    devices = [d.strip() for d in inherited.split(",")] if inherited else []
+    if not devices or any(not d.isdigit() for d in devices):  # unset, or GPU UUIDs: slots are device numbers
+        return ",".join(str(slot) for slot in slots)
+    if max(slots) >= len(devices):
+        raise ValueError(f"slots {list(slots)} need {max(slots) + 1} devices, but CUDA_VISIBLE_DEVICES={inherited} "
+                         f"shows {len(devices)}; ask for fewer or unset CUDA_VISIBLE_DEVICES")
+    return ",".join(devices[slot] for slot in slots)
 
 
 def worker_specs(job: JobSpec) -> list[WorkerSpec]:

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 _STOP_KEY_POLL_S = 0.25
 _MAX_SLEEP_S = 0.5
 _OUTPUT_DRAIN_S = 2.0
+#: extra time a remote node's launcher gets after the kill grace to stop its own workers and report them
+_REMOTE_SLACK_S = 3.0
 
 
 class _Wakeup:
@@ -99,6 +101,7 @@ class Supervisor:
         self._error_deadline: float | None = None
         self._stop_reason: str | None = None
         self._kill_at: float | None = None
+        self._remote_kill_at: float | None = None
         self._signal: signal.Signals | None = None
         self._next_stop_poll = 0.0
         self._t0 = time.monotonic()
@@ -118,7 +121,7 @@ class Supervisor:
                     self._fire_timers()
         except BaseException:
             logger.exception("the launcher failed; killing every worker")
-            self._send_all(signal.SIGKILL)
+            self._send_all(signal.SIGKILL, remotes=True)
             raise
         for worker in self._children():
             worker.join_output(_OUTPUT_DRAIN_S)
@@ -135,7 +138,7 @@ class Supervisor:
 
     def _sleep_s(self) -> float:
         timers = [*self._restart_at.values(), self._next_stop_poll]
-        timers += [t for t in (self._error_deadline, self._kill_at) if t is not None]
+        timers += [t for t in (self._error_deadline, self._kill_at, self._remote_kill_at) if t is not None]
         return min(_MAX_SLEEP_S, min(timers) - time.monotonic())
 
     # ---- events -----------------------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ class Supervisor:
         for sig in received:
             if self._signal is not None:
                 logger.warning("second %s: killing every worker now", sig.name)
-                self._send_all(signal.SIGKILL)
+                self._send_all(signal.SIGKILL, remotes=True)
                 continue
             self._signal = sig
             self._stop(f"the launcher received {sig.name}")
@@ -196,9 +199,14 @@ class Supervisor:
             self._stop(f"a worker failed {self.job.policy.error_grace_s:.1f} s ago")
         if self._kill_at is not None and now >= self._kill_at:
             self._kill_at = None
-            if any(w.running for w in self._children()):
+            if any(w.running for w in self.workers.values()):
                 logger.warning("%.1f s after SIGTERM: SIGKILL to what still runs", self.job.policy.kill_grace_s)
                 self._send_all(signal.SIGKILL)
+        if self._remote_kill_at is not None and now >= self._remote_kill_at:
+            self._remote_kill_at = None
+            if any(w.running for w in self.remotes):
+                logger.warning("remote launchers still run after the stop: SIGKILL to their ssh sessions")
+                self._send_all(signal.SIGKILL, remotes=True)
         if now >= self._next_stop_poll:
             self._next_stop_poll = now + _STOP_KEY_POLL_S
             self._poll_store()
@@ -232,6 +240,8 @@ class Supervisor:
         worker = self.workers[rank]
         count = worker.restart_count + 1
         try:
+            if self._store_lost:
+                raise OSError("the store of node 0 is gone")
             self.store.set(keys.restarted_key(rank), str(count))
             self.store.delete_key(keys.exit_key(rank))  # the key means "this rank's process is gone"
         except (RuntimeError, OSError) as err:
@@ -250,11 +260,13 @@ class Supervisor:
                 self.store.set(keys.STOP_KEY, f"node {self.job.node_rank}: {reason}")
         except (RuntimeError, OSError):
             pass
-        self._send_all(signal.SIGTERM)
+        self._send_all(signal.SIGTERM)  # remote launchers stop their own workers when they see the stop key
         self._kill_at = time.monotonic() + self.job.policy.kill_grace_s
+        self._remote_kill_at = self._kill_at + _STOP_KEY_POLL_S + _REMOTE_SLACK_S
 
-    def _send_all(self, sig: signal.Signals) -> None:
-        for worker in self._children():
+    def _send_all(self, sig: signal.Signals, remotes: bool = False) -> None:
+        """Signal every rank worker of this node, and with ``remotes`` the ssh sessions of the other nodes."""
+        for worker in [*self.workers.values(), *(self.remotes if remotes else ())]:
             worker.send_signal(sig)
 
     # ---- the end ----------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The launcher's store: how a worker reaches it, and every key ds_recycle keeps there.
 
-Key layout (all under ``ds_recycle/``; the launcher writes the first two, workers the rest):
+Key layout (all under ``ds_recycle/``; the launcher writes the first two, see
+:mod:`ds_recycle.launcher.store`, which owns their names; workers write the rest):
 
 =====================================  =========================================================
 ``ds_recycle/exit/<rank>``             the worker's exit status, written by its launcher at death
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
+
+from ds_recycle.launcher import store as launcher_store
 
 __all__ = ["StoreKeys", "connect_store"]
 
@@ -28,11 +30,11 @@ class StoreKeys:
     root: str = "ds_recycle"
 
     def exit(self, rank: int) -> str:
-        return f"{self.root}/exit/{rank}"
+        return launcher_store.exit_key(rank)
 
     @property
     def exits(self) -> str:
-        return f"{self.root}/exits"
+        return launcher_store.EXITS_KEY
 
     def heartbeat(self, rank: int) -> str:
         return f"{self.root}/hb/{rank}"
@@ -51,4 +53,4 @@ def connect_store(timeout_s: float = 30.0, address: str | None = None) -> dist.T
         raise RuntimeError("DS_RECYCLE_STORE is not set to host:port: failure survival needs the store of "
                            "'ds-recycle launch' (the deepspeed launcher and torchrun kill survivors anyway)")
     host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=timeout_s))
+    return launcher_store.connect_store(host, int(port), timeout_s)

@@ -56,6 +56,16 @@ def test_worker_env_contract() -> None:
     assert [s.rank for s in worker_specs(job)] == [2, 3]
 
 
+def test_slots_map_through_the_launchers_visible_devices() -> None:
+    def visible(base: dict[str, str]) -> str:
+        return worker_env(JobSpec(TWO_NODES, 1, "h", 1, Program("t.py"), base_env=base), 2)["CUDA_VISIBLE_DEVICES"]
+    assert visible({}) == "1,3"
+    assert visible({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5,7"  # slot i is the i-th device the launcher sees
+    assert visible({"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}) == "1,3"
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=4,5 shows 2"):
+        visible({"CUDA_VISIBLE_DEVICES": "4,5"})
+
+
 def test_user_thread_and_accelerator_settings_win() -> None:
     base = {"OMP_NUM_THREADS": "4", "DS_ACCELERATOR": "cuda"}
     env = worker_env(JobSpec(TWO_NODES, 0, "h", 1, Program("t.py"), base_env=base), 0)
@@ -139,7 +149,7 @@ def test_dry_run_prints_layout_and_commands(tmp_path: Path, capsys: pytest.Captu
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == ["node 0: worker-0 slots [0, 1] ranks 0..1", "node 1: worker-1 slots [0] ranks 2..2"]
     assert out[2].startswith("rank 0: ") and out[2].endswith("-u t.py --local_rank=0 --x")
-    assert out[4].startswith("node 1 (worker-1): ssh -o BatchMode=yes worker-1 ")
+    assert out[4].startswith("node 1 on worker-1: ssh -o BatchMode=yes worker-1 ")
 
 
 def test_bad_hostfile_exits_2_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,3 +169,9 @@ def test_busy_port_exits_2_and_suggests_port_0(capsys: pytest.CaptureFixture[str
     busy = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
     assert main(["launch", "--master_port", str(busy.port), "t.py"]) == 2
     assert "--master_port 0" in capsys.readouterr().err
+
+
+def test_too_few_visible_devices_is_an_option_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    with pytest.raises(ValueError, match="need 2 devices"):
+        cli.build_job(_args("--num_gpus", "2", "t.py"), 1, cuda_devices=0)

@@ -53,3 +53,23 @@ def test_2x2_trains_30_iterations_with_falling_loss(engine: str, tmp_path: Path)
     for r in records:
         assert r["live_workers"] == 4 and r["rerouted_microbatches"] == 0
         assert r["iter_time_s"] > 0 and r["tokens_per_s"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_train_script_runs_under_stock_launchers(launcher: str, tmp_path: Path) -> None:
+    """Without failure survival, the same script trains under torchrun and DeepSpeed's launcher."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    bindir = Path(sys.executable).parent
+    cmd = {"torchrun": [str(bindir / "torchrun"), "--nproc_per_node", "2", "--master_port", port],
+           "deepspeed": [str(bindir / "deepspeed"), "--num_accelerators", "2", "--master_port", port]}[launcher]
+    metrics = tmp_path / "m.jsonl"
+    job = run([*cmd, "launch/train.py", "--deepspeed_config", str(REPO / "configs" / "gpt_cpu_2x1.json"),
+               "--vanilla", "--steps", "3", "--metrics", str(metrics)], timeout=180)
+    assert job.returncode == 0, job.output[-3000:]
+    assert len(job.metrics(metrics)) == 3

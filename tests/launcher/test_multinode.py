@@ -1,12 +1,15 @@
-"""Two launchers on one machine as two nodes (``--no_ssh``): the remote-node paths without ssh.
+"""Two launchers on one machine as two nodes: every multi-host path except ssh itself and a real network.
 
 The hostfile names this machine twice (``localhost`` and ``127.0.0.1``), so node 0 and node 1 both run here.
-This exercises what a multi-host job does apart from ssh itself: a node connecting to node 0's store,
-cross-node rendezvous, exits recorded by the node that owns the rank, node 0 waiting for every rank and
-computing the job's status from the store, and a stop spreading through ``ds_recycle/stop``.
+With ``--no_ssh`` both launchers are started by the test; otherwise node 0 starts node 1 with its generated
+ssh command line, run by a stand-in ``ssh`` on PATH that executes the remote command locally. Covered: a
+node connecting to node 0's store, cross-node rendezvous, exits recorded by the node that owns the rank,
+node 0 waiting for every rank and computing the job's status from the store, a stop spreading through
+``ds_recycle/stop``, and a node stopping its workers when node 0 dies.
 """
 from __future__ import annotations
 
+import os
 import re
 import socket
 from pathlib import Path
@@ -14,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.launcher.launch_harness import WORKER, assert_no_survivors
+
+pytestmark = pytest.mark.multiprocess  # starts launchers and gloo workers; run sequentially
+
 
 
 def _free_port() -> int:
@@ -78,3 +84,30 @@ def test_node1_stops_its_workers_when_node0_dies(launch, tmp_path: Path) -> None
     assert re.search(r"rank 2 \(pid \d+\) lost: signal SIGTERM \(stopped by the launcher\)", node1.text)
     assert_no_survivors(node0)
     assert_no_survivors(node1)
+
+
+_SSH_STAND_IN = """#!/bin/sh
+# Stands in for ssh on one machine: ignore the options and the host, run the remote command (last argument) here.
+for last; do :; done
+exec /bin/sh -c "$last"
+"""
+
+
+@pytest.mark.timeout(120)
+def test_node0_starts_node1_through_the_ssh_command(launch, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(_SSH_STAND_IN)
+    (bin_dir / "ssh").chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n127.0.0.1 slots=1\n")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    node0 = launch("--hostfile", str(hostfile), "--master_addr", socket.gethostname(), "--master_port", "0",
+                   WORKER, "--steps", "5", env=env)
+    assert node0.finish() == 0, node0.text
+    assert re.search(r"started node 1 on 127\.0\.0\.1 as pid \d+", node0.text)
+    assert re.search(r"^\[rank 2\] DONE rank=2 sum=30$", node0.text, re.M)  # forwarded from node 1's launcher
+    assert re.search(r"\[ds-recycle launch node 1\] .* node 1 of 2 runs ranks \[2\] of 3", node0.text)
+    assert re.search(r"node 1 on 127\.0\.0\.1 \(pid \d+\) finished: exit code 0", node0.text)
+    assert "job succeeded with status 0: 3 rank(s) finished, 0 lost, 0 failed" in node0.text
+    assert_no_survivors(node0)
