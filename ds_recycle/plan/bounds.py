@@ -8,7 +8,7 @@ from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError, StageLostError
 from ds_recycle.plan.ops import Worker
 
-__all__ = ["lower_bound", "best_possible", "failures_per_stage", "check_shape"]
+__all__ = ["lower_bound", "routed_lower_bound", "best_possible", "failures_per_stage", "check_shape"]
 
 
 def check_shape(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int = 1) -> None:
@@ -45,6 +45,25 @@ def lower_bound(stages: int, pipelines: int, microbatches: int, costs: CostModel
     best, prefix = 0.0, 0.0
     for s in range(stages):
         load = math.ceil(iterations * pipelines * microbatches / (pipelines - f[s]))
+        best = max(best, prefix + load * costs.work(s) + iterations * costs.O[s])
+        prefix += costs.F[s] + costs.comm
+    return best
+
+
+def routed_lower_bound(stages: int, pipelines: int, microbatches: int, costs: CostModel,
+                       failed: Iterable[Worker] = (), iterations: int = 1) -> float:
+    """The plan format's bound when each micro-batch keeps its worker in every iteration (as plans do).
+
+    The busiest worker of stage s then runs ``ceil(D*M/(D - f_s))`` micro-batches in *each* iteration:
+    ``max_s [sum_{j<s}(F_j + comm) + K*ceil(D*M/(D - f_s)) * (F_s+B_s+W_s) + K*O_s]``. It is at least
+    :func:`lower_bound`, and above it when ``D - f_s`` does not divide ``D*M`` (the busiest peer carries one
+    extra micro-batch every iteration, not once over K iterations).
+    """
+    check_shape(stages, pipelines, microbatches, costs, iterations)
+    f = failures_per_stage(failed, stages, pipelines)
+    best, prefix = 0.0, 0.0
+    for s in range(stages):
+        load = iterations * math.ceil(pipelines * microbatches / (pipelines - f[s]))
         best = max(best, prefix + load * costs.work(s) + iterations * costs.O[s])
         prefix += costs.F[s] + costs.comm
     return best

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -57,6 +58,7 @@ class PlanCache:
         self.stages, self.pipelines, self.microbatches, self.costs = stages, pipelines, microbatches, costs
         self.iterations, self.schedule, self.optimizer, self.memory_limit = iterations, schedule, optimizer, memory_limit
         self._plans: dict[FailureKey, Plan] = {}
+        self._renamed: dict[frozenset[Worker], Plan] = {}
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -64,20 +66,26 @@ class PlanCache:
     def _plan(self, key: FailureKey) -> Plan:
         plan = self._plans.get(key)
         if plan is None:
-            plan = make_plan(self.stages, self.pipelines, self.microbatches, self.costs, _failed_of(key),
-                             iterations=self.iterations, schedule=self.schedule, optimizer=self.optimizer,
-                             memory_limit=self.memory_limit)
-            self._plans[key] = plan
+            plan = self._plans[key] = self._make(key)
         return plan
 
     def get(self, failed: Iterable[Worker]) -> Plan:
-        """The plan for exactly ``failed`` (made and stored on a miss). Raises :class:`StageLostError`."""
-        key, perm = normalize_failures(failed, self.stages, self.pipelines)
+        """The plan for exactly ``failed`` (made and stored on a miss). Raises :class:`StageLostError`.
+
+        The renamed plan is kept too, so asking again for the same set is a dictionary lookup.
+        """
+        exact = frozenset(map(tuple, failed))
+        hit = self._renamed.get(exact)
+        if hit is not None:
+            return hit
+        key, perm = normalize_failures(exact, self.stages, self.pipelines)
         plan = self._plan(key)
         inverse = [0] * self.pipelines
         for p, place in enumerate(perm):
             inverse[place] = p
-        return plan if perm == tuple(range(self.pipelines)) else plan.relabel(inverse)
+        plan = plan if perm == tuple(range(self.pipelines)) else plan.relabel(inverse)
+        self._renamed[exact] = plan
+        return plan
 
     def time_per_iteration(self, failed: Iterable[Worker]) -> float:
         """Planned time per iteration under ``failed`` (no renaming needed)."""
@@ -96,12 +104,24 @@ class PlanCache:
                     keys.setdefault(normalize_failures(combo, self.stages, self.pipelines)[0])
         return list(keys)
 
-    def precompute(self, max_failures: int = 2) -> int:
-        """Make the plan of every failure set of up to ``max_failures`` workers; returns how many distinct."""
-        keys = self.keys_up_to(max_failures)
+    def precompute(self, max_failures: int = 2, processes: int = 1) -> int:
+        """Make the plan of every failure set of up to ``max_failures`` workers; returns how many distinct.
+
+        ``processes`` > 1 makes the plans in that many worker processes.
+        """
+        keys = [key for key in self.keys_up_to(max_failures) if key not in self._plans]
+        if processes > 1 and len(keys) > 1:
+            with ProcessPoolExecutor(processes) as pool:
+                for key, plan in zip(keys, pool.map(self._make, keys, chunksize=max(1, len(keys) // (4 * processes)))):
+                    self._plans[key] = plan
         for key in keys:
             self._plan(key)
-        return len(keys)
+        return len(self.keys_up_to(max_failures))
+
+    def _make(self, key: FailureKey) -> Plan:
+        return make_plan(self.stages, self.pipelines, self.microbatches, self.costs, _failed_of(key),
+                         iterations=self.iterations, schedule=self.schedule, optimizer=self.optimizer,
+                         memory_limit=self.memory_limit)
 
     def save(self, path: str | Path) -> None:
         """Write the cache as JSON (gzip-compressed when the name ends in ``.gz``)."""

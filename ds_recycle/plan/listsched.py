@@ -56,7 +56,7 @@ class _Worker:
     """Mutable state of one worker during the pass."""
 
     __slots__ = ("key", "stage", "fin", "bin", "wq", "held", "open", "free", "iteration", "left",
-                 "ops", "version", "waiting", "f_cap", "f_left", "expect")
+                 "ops", "version", "waiting", "f_cap", "f_left", "expect", "decision")
 
     def __init__(self, key: Worker, f_cap: float) -> None:
         self.key, self.stage = key, key[1]
@@ -70,6 +70,7 @@ class _Worker:
         self.f_cap = f_cap
         self.f_left = 0
         self.expect: OpKind | None = None
+        self.decision: tuple[float, OpKind | None, int] = (_INF, None, 0)
 
 
 def list_schedule(stages: int, pipelines: int, microbatches: int, costs: CostModel, routing: Routing,
@@ -120,7 +121,8 @@ class _Pass:
 
     def _push(self, w: _Worker) -> None:
         w.version += 1
-        t = self._decide(w)[0]
+        w.decision = self._decide(w)
+        t = w.decision[0]
         if t < _INF:
             heapq.heappush(self.heap, (t, w.stage, w.key[0], w.version, w))
 
@@ -140,8 +142,8 @@ class _Pass:
         if w.waiting:
             return _INF, None, 0
         expect = w.expect
-        b_ready, _, b_from = self._heads(w, w.bin) if expect is not _F else (_INF, None, 0)
-        f_ok = w.held < self.mem and w.open < w.f_cap and expect is not _B
+        b_ready, _, b_from = self._heads(w, w.bin) if w.bin and expect is not _F else (_INF, None, 0)
+        f_ok = w.fin and w.held < self.mem and w.open < w.f_cap and expect is not _B
         f_ready, _, f_from = self._heads(w, w.fin) if f_ok else (_INF, None, 0)
         w_ready = w.free if w.wq else _INF
         if self.policy.fit_w and w.wq and min(b_ready, f_ready) < w.free + self.costs.W[w.stage] - 1e-12:
@@ -162,7 +164,7 @@ class _Pass:
             t, _, _, version, w = heapq.heappop(heap)
             if version != w.version:
                 continue
-            t, kind, sender = self._decide(w)
+            t, kind, sender = w.decision  # unchanged since pushed: the version matches
             if kind is _F:
                 self._run_f(w, t, w.fin[sender].popleft())
             elif kind is _B:

@@ -27,13 +27,19 @@ from ds_recycle.plan.ops import Worker
 from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan
 from ds_recycle.plan.routing import route
 
-__all__ = ["make_plan", "best_failure_free", "ADAPTIVE_VARIANTS", "policies_for"]
+__all__ = ["make_plan", "best_failure_free", "ADAPTIVE_VARIANTS", "VARIANTS_BY_SIZE", "policies_for"]
 
 logger = logging.getLogger(__name__)
 
-ADAPTIVE_VARIANTS: tuple[tuple[int | None, bool], ...] = ((None, False), (0, True), (0, False), (1, True),
-                                                         (1, False), (None, True))
-"""(warm-up cap beyond ``S - s`` or None for none, forward first) of each greedy variant tried, in order."""
+ADAPTIVE_VARIANTS: tuple[tuple[int | None, bool], ...] = ((None, False), (None, True), (1, False), (0, True),
+                                                         (0, False), (1, True))
+"""(warm-up cap beyond ``S - s`` or None for none, forward first) of each greedy variant tried, in order.
+
+Ordered by how often each was the best over the benchmark grid (S in {4, 8}; 480 cases): the first
+won 76% of them and was never more than 7.3% (0.44% on average) behind the best of all six."""
+
+#: (most ops in the plan, variants tried): big plans try fewer variants so that planning stays fast
+VARIANTS_BY_SIZE: tuple[tuple[int, int], ...] = ((8_000, 6), (30_000, 3))
 
 
 def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[Policy, ...]:
@@ -41,7 +47,7 @@ def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[
     if schedule == "1f1b":
         return (Policy(fused=True, warmup=0, memory_limit=memory_limit),)
     limit = _plan_memory_limit(schedule, stages, memory_limit)
-    variants = ADAPTIVE_VARIANTS if schedule == "adaptive" else ADAPTIVE_VARIANTS[1:4]
+    variants = ADAPTIVE_VARIANTS if schedule == "adaptive" else ((0, False), (0, True), (1, False))
     return tuple(Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True) for w, ff in variants)
 
 
@@ -53,11 +59,14 @@ def _plan_memory_limit(schedule: str, stages: int, memory_limit: int | None) -> 
 
 def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
               failed: Iterable[Worker] = (), *, iterations: int = 1, schedule: str = "adaptive",
-              optimizer: str = "staggered", memory_limit: int | None = None,
+              optimizer: str = "staggered", memory_limit: int | None = None, variants: int | None = None,
               time_budget: float | None = None) -> Plan:
     """The plan of ``schedule`` for this shape and failure set (see the module docstring).
 
-    ``time_budget`` (seconds) stops trying further adaptive variants once spent (the first always runs).
+    ``variants``: how many greedy variants to try (default: all six up to 8,000 ops, three up to 30,000,
+    else one; see :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once
+    spent (the first always runs); it makes the result depend on the machine's speed, so caches and tests
+    leave it unset.
     Raises :class:`StageLostError` when every worker of some stage failed, :class:`PlanError` on bad input.
     """
     check_shape(stages, pipelines, microbatches, costs, iterations)
@@ -71,7 +80,10 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     failures_per_stage(failed, stages, pipelines)
     routing = route(stages, pipelines, microbatches, failed)
     began, best = time.perf_counter(), None
-    for policy in policies_for(schedule, stages, memory_limit):
+    if variants is None:
+        ops = 3 * stages * pipelines * microbatches * iterations
+        variants = next((n for most, n in VARIANTS_BY_SIZE if ops <= most), 1)
+    for policy in policies_for(schedule, stages, memory_limit)[:max(1, variants)]:
         workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations,
                                 optimizer == "synchronous", policy)
         span = max(ops[-1].end for ops in workers.values())

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from ds_recycle.plan import CostModel, lower_bound, make_plan, simulate, validate_plan
+from ds_recycle.plan.bounds import routed_lower_bound
 from ds_recycle.plan.validate import check_channels
 
 
@@ -35,10 +36,24 @@ def test_random_plans_are_valid_and_above_the_bound(seed: int) -> None:
     validate_plan(plan)
     check_channels(plan)
     bound = lower_bound(stages, pipelines, microbatches, costs, failed, kwargs["iterations"])
-    assert plan.makespan >= bound * (1 - 1e-12)
+    routed = routed_lower_bound(stages, pipelines, microbatches, costs, failed, kwargs["iterations"])
+    assert plan.makespan >= routed * (1 - 1e-12) and routed >= bound * (1 - 1e-12)
     sim = simulate(plan.workers, costs, optimizer=plan.optimizer, fused_backward=plan.schedule == "1f1b")
     assert sim.makespan == pytest.approx(plan.makespan)
     if plan.memory_limit is not None:
         assert max(sim.peak_memory.values()) <= plan.memory_limit
     owners = {mb for ops in plan.workers.values() for op in ops if op.mb is not None for mb in [op.mb]}
     assert len(owners) == pipelines * microbatches  # every micro-batch of every pipeline is processed
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rerouted_load_is_balanced(seed: int) -> None:
+    stages, pipelines, microbatches, costs, failed, _ = _random_case(seed)
+    plan = make_plan(stages, pipelines, microbatches, costs, failed, variants=1)
+    for s in range(stages):
+        live = [p for p in range(pipelines) if (p, s) not in plan.failed]
+        loads = [sum(1 for op in plan.workers[(p, s)] if op.kind.value == "F") for p in live]
+        assert sum(loads) == pipelines * microbatches
+        assert max(loads) - min(loads) <= 1
+        for p in live:  # a live worker keeps all of its own micro-batches
+            assert all(plan.worker_of(s, (p, i)) == (p, s) for i in range(microbatches))

@@ -1,0 +1,132 @@
+"""The ReCycle instruction set: DeepSpeed pipe instructions that name a micro-batch and a peer.
+
+Every instruction subclasses DeepSpeed's own classes, so ``repr`` and the ``**kwargs`` flow to the
+engine's handler work as in DeepSpeed (``handler(engine, **cmd.kwargs)``). DeepSpeed's engine dispatches
+on the *exact* type, so each class here is registered explicitly in
+:attr:`ds_recycle.engine.engine.RecyclePipelineEngine._INSTRUCTION_MAP`.
+
+Common keyword arguments:
+
+- ``buffer_id``: the slot that holds the micro-batch's tensors on this worker, from its F to its W
+  (:class:`~ds_recycle.engine.schedule.PlanSchedule` allocates slots; their count is the worker's peak
+  number of micro-batches in flight);
+- ``micro_batch``: ``(owner pipeline, index)`` of the global micro-batch;
+- ``peer``: the *global rank* of the worker on the other end of a transfer, which may belong to
+  another pipeline when work is re-routed around an absent worker.
+
+Communication never blocks on the sender: sends are posted asynchronously and completed by
+:class:`WaitSends`; a receive blocks (bounded by the p2p group's timeout) right before the op that needs
+the tensor. Any per-worker op order that the planner's simulator runs without deadlock is therefore
+deadlock-free here.
+"""
+from __future__ import annotations
+
+from deepspeed.runtime.pipe.schedule import (BufferOpInstruction, ForwardPass, LoadMicroBatch, PipeInstruction,
+                                             RecvActivation, RecvGrad, SendActivation, SendGrad)
+
+__all__ = ["MicroBatch", "LoadMicroBatchOf", "ForwardMicroBatch", "BackwardInput", "BackwardWeight",
+           "SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "WaitSends",
+           "StaggeredOptimizerStep", "FinishOptimizerStep", "RECYCLE_INSTRUCTIONS"]
+
+MicroBatch = tuple[int, int]
+"""A global micro-batch: ``(owner pipeline, index within the pipeline)``."""
+
+
+# IO
+class LoadMicroBatchOf(LoadMicroBatch):
+    """Roughly: ``inputs, labels = source.micro_batch(iteration, *micro_batch)`` into ``buffer_id``.
+
+    The first stage keeps the inputs, the last stage the labels (a single-stage worker both). The micro-batch
+    may belong to another pipeline (the worker serves an absent peer). Pairs with nothing; never blocks.
+    """
+
+
+# Compute
+class ForwardMicroBatch(ForwardPass):
+    """Roughly: ``outputs[buffer_id] = stage(inputs[buffer_id])``; on the last stage also the loss.
+
+    Must follow :class:`LoadMicroBatchOf` (first stage) or :class:`RecvActivationFrom`. Local; never blocks.
+    """
+
+
+class BackwardInput(BufferOpInstruction):
+    """Roughly: ``inputs[buffer_id].grad = d loss / d inputs`` (B), keeping what W needs.
+
+    Computes only input gradients (and the gradients at each parameterized module's output, which W
+    consumes); no parameter ``.grad`` is touched. Needs the output gradient (:class:`RecvGradFrom`) except
+    on the last stage. Local; never blocks.
+    """
+
+
+class BackwardWeight(BufferOpInstruction):
+    """Roughly: ``param.grad += d loss / d param`` for the micro-batch (W), then frees the buffer.
+
+    Runs one autograd pass per parameterized module over that module's own nodes, from the output gradients
+    B kept. Must come after the same micro-batch's :class:`BackwardInput`. Local; never blocks.
+    """
+
+
+# Communication
+class SendActivationTo(SendActivation):
+    """Roughly: ``isend(outputs[buffer_id], peer)``; the peer runs the next stage of ``micro_batch``.
+
+    Pairs with the peer's :class:`RecvActivationFrom` of the same micro-batch. Posted asynchronously:
+    completed by :class:`WaitSends`.
+    """
+
+
+class RecvActivationFrom(RecvActivation):
+    """Roughly: ``inputs[buffer_id] = recv(peer)`` (the previous stage's output for ``micro_batch``).
+
+    Pairs with the peer's :class:`SendActivationTo`. Blocks until the tensor arrives (bounded by the p2p
+    group's timeout).
+    """
+
+
+class SendGradTo(SendGrad):
+    """Roughly: ``isend(inputs[buffer_id].grad, peer)``, to the worker that ran the previous stage.
+
+    Follows :class:`BackwardInput`; pairs with the peer's :class:`RecvGradFrom`. Posted asynchronously.
+    """
+
+
+class RecvGradFrom(RecvGrad):
+    """Roughly: ``grad_output[buffer_id] = recv(peer)`` from the worker that ran the next stage.
+
+    Pairs with the peer's :class:`SendGradTo`. Blocks (bounded). The received tensor is owned by the buffer,
+    so W can run long after.
+    """
+
+
+class WaitSends(PipeInstruction):
+    """Roughly: wait until every posted send of this worker has been received (bounded).
+
+    Issued at the end of an iteration, so that no send buffer outlives the iteration that owns it.
+    """
+
+
+# Optimizer
+class StaggeredOptimizerStep(PipeInstruction):
+    """Roughly: all-reduce this stage's gradients over its live replicas, then step (O).
+
+    Synchronizes only the live replicas of this stage. Gradients are summed, then scaled by ``1/D`` (the
+    nominal pipeline count): each stage's gradient is the sum over all ``D x M`` global micro-batches,
+    normalized by their count, whoever processed them. The last stage also sums its losses there.
+    ``synchronous=False``: with clipping on, step eagerly and post-validate the global norm in
+    :class:`FinishOptimizerStep`; ``synchronous=True``: wait for the global norm, clip, then step.
+    """
+
+
+class FinishOptimizerStep(PipeInstruction):
+    """Roughly: wait for the gradient norm of the previous step; if it had to be clipped, redo that step.
+
+    Issued before the first op of an iteration (and when training ends), so no micro-batch ever runs on
+    parameters that vanilla DeepSpeed would not have. Waits on an all-reduce over every live worker that
+    was posted at each stage's :class:`StaggeredOptimizerStep`. A no-op when nothing is pending.
+    """
+
+
+RECYCLE_INSTRUCTIONS: tuple[type[PipeInstruction], ...] = (
+    LoadMicroBatchOf, ForwardMicroBatch, BackwardInput, BackwardWeight, SendActivationTo, RecvActivationFrom,
+    SendGradTo, RecvGradFrom, WaitSends, StaggeredOptimizerStep, FinishOptimizerStep)
+"""The closed set the engine executes (besides DeepSpeed's own)."""

@@ -1,0 +1,287 @@
+"""The staggered optimizer step: per-stage gradient all-reduce, eager step, post-validated clipping.
+
+Semantics (each stage, each iteration):
+
+1. **Weighted-sum all-reduce.** Every micro-batch's loss was scaled by ``1/M`` in its backward; the
+   stage's live replicas SUM their gradients and multiply by ``1/D`` (D = nominal pipelines). The stage
+   gradient is then the sum over all ``D x M`` global micro-batches normalized by their count, however the
+   micro-batches were spread over replicas. Without absent workers this is exactly DeepSpeed's
+   ``allreduce_bucket`` (sum, then ``mul_(1/D)``). The last stage appends its loss sum to the same buffer.
+   When a worker of the stage serves several pipelines (re-routing), it keeps one gradient sum *per owner
+   pipeline* (:meth:`StaggeredOptimizer.accumulating_for`); the replicas all-reduce a ``[D, N]`` table in
+   which each row is non-zero on one rank only (so the sum is exact) and add the rows in pipeline order,
+   which is the order DeepSpeed's all-reduce adds the replicas' sums (exact for D = 2).
+2. **Clipping as DeepSpeed 0.19.8 does it.** DeepSpeed's ``clip_grad_norm_`` sums squared per-parameter
+   norms over the pipeline group but counts only parameters of model-parallel rank 0, which for a
+   ``PipelineModule`` is the *first stage*; it then averages the norm over the data-parallel group and
+   scales every gradient by ``min(1, max_norm / (norm + 1e-6))``. :class:`ClipScope` selects that
+   (``FIRST_STAGE``, identical results) or the norm over all stages (``WHOLE_MODEL``).
+3. **Post-validation** (``staggered``): the stage steps at once, keeping a copy of its parameters and
+   optimizer state, while the norm travels asynchronously. At :meth:`StaggeredOptimizer.finish` (before the
+   next iteration's first op) it reads the norm; if the step had to be clipped, it restores the copy, scales
+   the gradients and steps again. With ``FIRST_STAGE`` the first stage knows the norm itself and
+   *broadcasts* it (posted at its step, never waited for on its critical path); every other stage needs
+   the first stage's step of iteration k before its first op of k+1 anyway (that op consumes an activation
+   the first stage computes after its step), so the validation adds no wait and no pipeline-wide barrier.
+   With ``WHOLE_MODEL`` the per-stage contributions are summed by one asynchronous all-reduce over every
+   live worker. When a stage's own contribution already proves that clipping is needed, it waits instead
+   of stepping eagerly. ``synchronous`` always waits, then clips and steps (DeepSpeed's order).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import enum
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ClipScope", "StepOutcome", "StaggeredOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+_EPS = 1e-6  # DeepSpeed's clip_grad_norm_ epsilon
+
+
+class ClipScope(enum.Enum):
+    """Which stages' gradients make up the clipping norm."""
+
+    FIRST_STAGE = "first_stage"
+    """DeepSpeed 0.19.8's ``clip_grad_norm_`` on a ``PipelineModule``: only stage 0's parameters count."""
+    WHOLE_MODEL = "whole_model"
+    """Every stage's parameters count (the textbook global norm)."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one finished optimizer step did."""
+
+    iteration: int
+    norm: float | None
+    """The clipping norm (None when clipping is off)."""
+    clipped: bool
+    """True when the gradients were scaled (and, if stepped eagerly, the step was redone)."""
+
+
+@dataclass
+class _Pending:
+    iteration: int
+    work: Any
+    contribution: torch.Tensor
+    snapshot: tuple[list[torch.Tensor], dict[str, Any]] | None
+    """Parameters and optimizer state before an eager step; None when the step waited for the norm."""
+    norm: float | None = None
+    clipped: bool = False
+
+
+class StaggeredOptimizer:
+    """One stage's gradient reduction and optimizer step (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pipelines: int,
+                 dp_group: Any, dp_ranks: list[int], norm_group: Any, max_norm: float,
+                 scope: ClipScope = ClipScope.FIRST_STAGE, lr_scheduler: Any = None,
+                 served: frozenset[int] = frozenset(), stage_rerouted: bool = False,
+                 norm_source: int = 0) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.stage = stage
+        self.pipelines = pipelines
+        self.dp_group = dp_group
+        self.dp_size = len(dp_ranks)
+        self.norm_group = norm_group
+        self.max_norm = float(max_norm)
+        self.scope = scope
+        self.lr_scheduler = lr_scheduler
+        self.counts = scope is ClipScope.WHOLE_MODEL or stage == 0
+        self.representative = dist.get_rank() == min(dp_ranks)
+        self.norm_source = norm_source
+        """Global rank that broadcasts the first stage's norm (``FIRST_STAGE``): its first live replica."""
+        self._source_work: Any = None
+        self._source_tensor: torch.Tensor | None = None
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._pending: _Pending | None = None
+        self.redone_steps = 0
+        """Eager steps rolled back and redone clipped (post-validation failed)."""
+        self.clipped_steps = 0
+        """Steps whose gradients were clipped."""
+        self.served = served
+        """Owner pipelines of the micro-batches this worker processes."""
+        self.stage_rerouted = stage_rerouted
+        """True when some replica of this stage serves more than one pipeline (per-pipeline sums needed)."""
+        self._bank: dict[int, list[torch.Tensor | None]] = {}
+
+    @contextlib.contextmanager
+    def accumulating_for(self, pipeline: int) -> Iterator[None]:
+        """Inside, weight gradients accumulate into ``pipeline``'s own sum (only when serving several)."""
+        if len(self.served) <= 1:
+            yield
+            return
+        bank = self._bank.setdefault(pipeline, [None] * len(self.params))
+        for p, g in zip(self.params, bank):
+            p.grad = g
+        try:
+            yield
+        finally:
+            for n, p in enumerate(self.params):
+                bank[n] = p.grad
+                p.grad = None
+
+    def _rows(self) -> dict[int, list[torch.Tensor]]:
+        """This worker's gradient sum per owner pipeline."""
+        if len(self.served) <= 1:
+            grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            return {pipeline: grads for pipeline in self.served} or {0: grads}
+        bank, self._bank = self._bank, {}
+        return {d: [g if g is not None else torch.zeros_like(p) for g, p in zip(bank.get(d, [None] * len(self.params)),
+                                                                             self.params)] for d in self.served}
+
+    # 1. gradient all-reduce
+    def reduce(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
+        """SUM-all-reduce the stage gradients (and ``loss_sum``) over the live replicas, scale by 1/D.
+
+        Returns the summed loss over the stage's replicas (None when ``loss_sum`` is None).
+        """
+        if self.stage_rerouted:
+            return self._reduce_rows(loss_sum)
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad.data for p in self.params]
+        parts = grads + ([loss_sum.detach().reshape(1).to(grads[0].dtype)] if loss_sum is not None else [])
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        if self.dp_size > 1:
+            dist.all_reduce(flat, group=self.dp_group)
+        total_loss = flat[-1].clone() if loss_sum is not None else None
+        flat = flat[:flat.numel() - (1 if loss_sum is not None else 0)]
+        flat.mul_(1.0 / self.pipelines)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return total_loss
+
+    def _reduce_rows(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
+        rows = self._rows()
+        numel = sum(p.numel() for p in self.params)
+        table = torch.zeros(self.pipelines, numel + 1)
+        for d, grads in rows.items():
+            table[d, :numel] = torch.cat([g.reshape(-1) for g in grads])
+        if loss_sum is not None:
+            table[0, numel] = loss_sum.detach().reshape(())
+        if self.dp_size > 1:
+            dist.all_reduce(table, group=self.dp_group)
+        flat = table[0].clone()
+        for d in range(1, self.pipelines):
+            flat = flat + table[d]
+        total_loss = flat[numel].clone() if loss_sum is not None else None
+        flat = flat[:numel].mul_(1.0 / self.pipelines)
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return total_loss
+
+    # 2. norm
+    def _stage_sq(self) -> torch.Tensor:
+        """Squared norm of this stage's (reduced) gradients, as DeepSpeed's ``clip_grad_norm_`` sums it."""
+        norms = [p.grad.data.detach().float().norm(2.0) for p in self.module.parameters() if p.grad is not None]
+        if not norms:
+            return torch.zeros(1)
+        return torch.stack(norms).pow(2.0).sum().float().reshape(1)
+
+    def _coefficient(self, total_sq: torch.Tensor) -> tuple[torch.Tensor, float]:
+        norm = total_sq.pow(1.0 / 2.0)
+        scaled = norm * 1.0 / float(self.pipelines)
+        averaged = scaled.clone()
+        for _ in range(self.pipelines - 1):  # DeepSpeed's SUM all-reduce of the D identical scaled norms
+            averaged = averaged + scaled
+        coef = torch.tensor([self.max_norm]) / (averaged + _EPS)
+        return torch.min(torch.tensor([1.0]), coef), float(averaged)
+
+    # 3. step
+    def step(self, iteration: int, synchronous: bool) -> None:
+        """Step the optimizer for ``iteration`` (gradients already reduced)."""
+        if self._pending is not None:
+            raise RuntimeError(f"optimizer step of iteration {iteration} before the step of iteration "
+                               f"{self._pending.iteration} was finished; FinishOptimizerStep is missing")
+        if self.max_norm <= 0.0:
+            self.optimizer.step()
+            self._pending = _Pending(iteration, None, torch.zeros(1), None)
+            return
+        local_sq = self._stage_sq() if self.counts else torch.zeros(1)
+        if self.scope is ClipScope.FIRST_STAGE:
+            contribution = local_sq.clone()
+            if self._source_work is not None:  # the previous broadcast reached everyone long ago
+                self._source_work.wait()
+            work = dist.broadcast(contribution, src=self.norm_source, group=self.norm_group, async_op=True)
+            if dist.get_rank() == self.norm_source:
+                self._source_work, self._source_tensor, work = work, contribution, None
+        else:
+            contribution = local_sq.clone() if self.representative else torch.zeros(1)
+            work = dist.all_reduce(contribution, group=self.norm_group, async_op=True)
+        pending = _Pending(iteration, work, contribution, None)
+        self._pending = pending
+        if self.scope is ClipScope.FIRST_STAGE and self.stage == 0:
+            # Every first-stage replica holds the same reduced gradients: the norm is known here already.
+            pending.norm, pending.clipped = self._clip_and_step(self._coefficient(local_sq))
+        elif synchronous or bool(local_sq.sqrt() >= self.max_norm):
+            work.wait()
+            pending.work = None
+            pending.norm, pending.clipped = self._clip_and_step(self._coefficient(contribution))
+        else:  # eager: step now, validate in finish()
+            pending.snapshot = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
+            self.optimizer.step()
+
+    def _clip_and_step(self, coef_norm: tuple[torch.Tensor, float]) -> tuple[float, bool]:
+        coef, norm = coef_norm
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.data.mul_(coef)
+        self.optimizer.step()
+        return norm, bool(coef.item() < 1.0)
+
+    def close(self) -> None:
+        """Wait for this rank's last norm broadcast (call when training ends)."""
+        if self._source_work is not None:
+            self._source_work.wait()
+            self._source_work = None
+
+    def _validate(self, pending: _Pending) -> None:
+        """Post-validation of an eager step: redo it clipped when the global norm says so."""
+        assert pending.work is not None
+        pending.work.wait()
+        pending.work = None
+        if pending.snapshot is None:
+            return
+        coef, norm = self._coefficient(pending.contribution)
+        pending.norm, pending.clipped = norm, bool(coef.item() < 1.0)
+        if pending.clipped:
+            params, state = pending.snapshot
+            for p, saved in zip(self.params, params):
+                p.data.copy_(saved)
+            self.optimizer.load_state_dict(state)
+            self._clip_and_step((coef, norm))
+            self.redone_steps += 1
+        pending.snapshot = None
+
+    def finish(self) -> StepOutcome | None:
+        """Validate the pending step (redo it clipped if needed), then zero the gradients."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if pending.work is not None:
+            self._validate(pending)
+        norm, clipped = pending.norm, pending.clipped
+        self.clipped_steps += int(clipped)
+        logger.debug("iteration %d: norm %s, clipped %s", pending.iteration, norm, clipped)
+        for p in self.module.parameters():
+            p.grad = None
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._pending = None
+        return StepOutcome(pending.iteration, norm, clipped)

@@ -1,0 +1,227 @@
+"""From a ReCycle plan to DeepSpeed steps: :class:`PlanSchedule`, a ``PipeSchedule`` subclass.
+
+A plan (:class:`ds_recycle.plan.Plan`) lists, for every live worker ``(pipeline, stage)``, its F, B, W and O
+operations in execution order. Lowering one worker's ops of one iteration (a pure function of integers):
+
+=====  ==========================================================================================
+F mb   ``LoadMicroBatchOf`` (first/last stage), ``RecvActivationFrom(peer)`` (not first stage),
+       ``ForwardMicroBatch``, ``SendActivationTo(peer)`` (not last stage)
+B mb   ``RecvGradFrom(peer)`` (not last stage), ``BackwardInput``, ``SendGradTo(peer)`` (not first stage)
+W mb   ``BackwardWeight``
+O      ``StaggeredOptimizerStep``, then ``WaitSends``
+=====  ==========================================================================================
+
+and every iteration starts with ``FinishOptimizerStep`` (the previous step's post-validation). Peers are
+global ranks: F of ``mb`` at stage ``s`` receives from the rank of ``plan.worker_of(s - 1, mb)``, which
+belongs to another pipeline when ``mb`` was re-routed. Buffer slots are allocated at F and freed at W, so
+``num_pipe_buffers()`` is the worker's peak number of micro-batches in flight.
+
+``check_plan_for_job`` rejects, with a clear error, a plan that cannot run on this job before any process
+communicates.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
+
+from ds_recycle.engine.instructions import (BackwardInput, BackwardWeight, FinishOptimizerStep, ForwardMicroBatch,
+                                            LoadMicroBatchOf, MicroBatch, RecvActivationFrom, RecvGradFrom,
+                                            SendActivationTo, SendGradTo, StaggeredOptimizerStep, WaitSends)
+
+__all__ = ["WorkKind", "WorkItem", "PlanLike", "PlanNotRunnableError", "PlanSchedule", "worker_items",
+           "lower_worker_items", "check_plan_for_job"]
+
+Worker = tuple[int, int]
+
+
+class WorkKind(enum.Enum):
+    """The four kinds of plan operations (the plan format's ``kind``)."""
+
+    F = "F"
+    """Forward of one micro-batch through the stage."""
+    B = "B"
+    """Input-gradient backward of one micro-batch."""
+    W = "W"
+    """Weight-gradient backward of one micro-batch."""
+    O = "O"  # noqa: E741 - the plan format's name
+    """Gradient all-reduce over the stage's live replicas plus the optimizer step."""
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One plan operation as the engine needs it: what, which micro-batch (None for O)."""
+
+    kind: WorkKind
+    mb: MicroBatch | None
+
+    def __str__(self) -> str:
+        return self.kind.value if self.mb is None else f"{self.kind.value}{self.mb[0]}.{self.mb[1]}"
+
+
+class PlanLike(Protocol):
+    """What the engine reads from a planner's ``Plan`` (see ``ds_recycle.plan``)."""
+
+    stages: int
+    pipelines: int
+    microbatches: int
+    iterations: int
+    optimizer: str
+    failed: frozenset[Worker]
+    workers: Mapping[Worker, Sequence[Any]]
+
+    def worker_of(self, stage: int, mb: tuple[int, int]) -> Worker: ...
+
+
+class PlanNotRunnableError(ValueError):
+    """The plan does not fit this job (shape, absent workers, ops); raised before any communication."""
+
+
+def worker_items(plan: PlanLike, worker: Worker, plan_iteration: int) -> list[WorkItem]:
+    """This worker's operations of one planned iteration, in execution order."""
+    if worker not in plan.workers:
+        raise PlanNotRunnableError(f"the plan has no ops for worker (pipeline {worker[0]}, stage {worker[1]}); "
+                                   f"its failed set is {sorted(plan.failed)}: make the plan for this job's absent workers")
+    items = []
+    for op in plan.workers[worker]:
+        if op.iteration != plan_iteration:
+            continue
+        kind = WorkKind(op.kind.value if isinstance(op.kind, enum.Enum) else op.kind)
+        items.append(WorkItem(kind, None if op.mb is None else (int(op.mb[0]), int(op.mb[1]))))
+    return items
+
+
+def _check_items(items: Sequence[WorkItem], worker: Worker, microbatches: int, pipelines: int) -> None:
+    where = f"worker (pipeline {worker[0]}, stage {worker[1]})"
+    done: dict[MicroBatch, list[WorkKind]] = {}
+    for n, item in enumerate(items):
+        if item.kind is WorkKind.O:
+            if n != len(items) - 1:
+                raise PlanNotRunnableError(f"{where}: O is op {n} of {len(items)}, but it must be the last op "
+                                           f"of an iteration ({' '.join(map(str, items))})")
+            continue
+        mb = item.mb
+        if mb is None or not (0 <= mb[0] < pipelines and 0 <= mb[1] < microbatches):
+            raise PlanNotRunnableError(f"{where}: op {item} names a micro-batch outside {pipelines} pipelines x "
+                                       f"{microbatches} micro-batches")
+        seen = done.setdefault(mb, [])
+        expected = [WorkKind.F, WorkKind.B, WorkKind.W][len(seen)] if len(seen) < 3 else None
+        if item.kind is not expected:
+            raise PlanNotRunnableError(f"{where}: op {n} ({item}) comes after {[k.value for k in seen]} of the same "
+                                       "micro-batch; each micro-batch needs F, then B, then W, once each")
+        seen.append(item.kind)
+    if not items or items[-1].kind is not WorkKind.O:
+        raise PlanNotRunnableError(f"{where}: the iteration does not end with O ({' '.join(map(str, items))})")
+    unfinished = [mb for mb, kinds in done.items() if len(kinds) != 3]
+    if unfinished:
+        raise PlanNotRunnableError(f"{where}: micro-batches {unfinished} lack B or W in the iteration")
+
+
+class _Slots:
+    """Lowest-free-slot allocation of buffers between a micro-batch's F and its W."""
+
+    def __init__(self) -> None:
+        self.of: dict[MicroBatch, int] = {}
+        self.peak = 0
+
+    def take(self, mb: MicroBatch) -> int:
+        used = set(self.of.values())
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        self.of[mb] = slot
+        self.peak = max(self.peak, len(self.of))
+        return slot
+
+    def release(self, mb: MicroBatch) -> int:
+        return self.of.pop(mb)
+
+
+def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
+                       peer: Callable[[int, MicroBatch], int], synchronous: bool) -> tuple[list[list[PipeInstruction]], int]:
+    """Lower one iteration of a worker's ops to DeepSpeed steps; returns ``(steps, buffers needed)``.
+
+    ``peer(stage, mb)`` is the global rank that runs ``mb`` at ``stage``.
+    """
+    first, last = stage == 0, stage == stages - 1
+    slots = _Slots()
+    steps: list[list[PipeInstruction]] = [[FinishOptimizerStep()]]
+    for item in items:
+        if item.kind is WorkKind.O:
+            steps.append([StaggeredOptimizerStep(synchronous=synchronous), WaitSends()])
+            continue
+        mb = item.mb
+        assert mb is not None
+        if item.kind is WorkKind.F:
+            buf = slots.take(mb)
+            cmds: list[PipeInstruction] = []
+            if not first:
+                cmds.append(RecvActivationFrom(buf, micro_batch=mb, peer=peer(stage - 1, mb)))
+            if first or last:
+                cmds.append(LoadMicroBatchOf(buf, micro_batch=mb))
+            cmds.append(ForwardMicroBatch(buf, micro_batch=mb))
+            if not last:
+                cmds.append(SendActivationTo(buf, micro_batch=mb, peer=peer(stage + 1, mb)))
+        elif item.kind is WorkKind.B:
+            buf = slots.of[mb]
+            cmds = [] if last else [RecvGradFrom(buf, micro_batch=mb, peer=peer(stage + 1, mb))]
+            cmds.append(BackwardInput(buf, micro_batch=mb))
+            if not first:
+                cmds.append(SendGradTo(buf, micro_batch=mb, peer=peer(stage - 1, mb)))
+        else:
+            cmds = [BackwardWeight(slots.release(mb), micro_batch=mb)]
+        steps.append(cmds)
+    return steps, max(slots.peak, 1)
+
+
+def check_plan_for_job(plan: PlanLike, stages: int, pipelines: int, microbatches: int,
+                       absent: frozenset[Worker]) -> None:
+    """Raise :class:`PlanNotRunnableError` when ``plan`` was made for another job shape or failure set."""
+    want = (stages, pipelines, microbatches)
+    got = (plan.stages, plan.pipelines, plan.microbatches)
+    if got != want:
+        raise PlanNotRunnableError(f"the plan is for stages, pipelines, micro-batches = {got}, the job is {want}: "
+                                   "make the plan with the job's recycle.stages, recycle.pipelines and "
+                                   "gradient_accumulation_steps")
+    if frozenset(plan.failed) != absent:
+        raise PlanNotRunnableError(f"the plan assumes failed workers {sorted(plan.failed)}, the job has absent "
+                                   f"workers {sorted(absent)}: make the plan for recycle.assume_failed")
+    for worker in plan.workers:
+        for k in range(plan.iterations):
+            _check_items(worker_items(plan, worker, k), worker, microbatches, pipelines)
+    for s in range(stages):
+        for d in range(pipelines):
+            for i in range(microbatches):
+                runner = plan.worker_of(s, (d, i))
+                if runner in absent or runner not in plan.workers:
+                    raise PlanNotRunnableError(f"the plan runs micro-batch ({d}, {i}) at stage {s} on worker "
+                                               f"{runner}, which is absent")
+
+
+class PlanSchedule(PipeSchedule):
+    """DeepSpeed ``PipeSchedule`` that executes one worker's ops of one iteration of a plan.
+
+    ``steps()`` yields one list of instructions per plan op (a step is atomic, as in DeepSpeed).
+    Training iteration ``k`` runs the plan's iteration ``min(k, plan.iterations - 1)``.
+    """
+
+    def __init__(self, plan: PlanLike, worker: Worker, rank_of: Callable[[Worker], int], iteration: int,
+                 synchronous: bool = False) -> None:
+        super().__init__(micro_batches=plan.microbatches, stages=plan.stages, stage_id=worker[1])
+        self.plan = plan
+        self.worker = worker
+        self.iteration = iteration
+        self.items = worker_items(plan, worker, min(iteration, plan.iterations - 1))
+        _check_items(self.items, worker, plan.microbatches, plan.pipelines)
+
+        def peer(stage: int, mb: MicroBatch) -> int:
+            return rank_of(plan.worker_of(stage, mb))
+
+        self._steps, self._buffers = lower_worker_items(self.items, worker[1], plan.stages, peer, synchronous)
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        yield from self._steps
+
+    def num_pipe_buffers(self) -> int:
+        return self._buffers
