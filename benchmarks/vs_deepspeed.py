@@ -69,6 +69,8 @@ def _alternate(variants: list[tuple[str, Path, int, bool]], args: argparse.Names
     for _ in range(args.rounds):
         for name, config, nproc, vanilla in variants:
             times[name].append(_run(config, nproc, args.steps, args.warmup, vanilla, tmp))
+    for name, values in times.items():
+        print(f"  {name:<15} rounds: {' '.join(f'{v:.3f}' for v in values)} s/iter", flush=True)
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--costs-file", default=None, help="cost profile from benchmarks/profile_ops.py")
+    p.add_argument("--setups", nargs="+", choices=("2x1", "2x2", "absent"), default=["2x1", "2x2", "absent"])
     args = p.parse_args(argv)
     base = json.loads(Path(args.deepspeed_config).read_text())
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
@@ -92,14 +95,17 @@ def main(argv: list[str] | None = None) -> int:
                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True)
         results: dict[str, dict[str, float]] = {}
         for label, pipelines in (("2x1", 1), ("2x2", 2)):
+            if label not in args.setups:
+                continue
             variants = [("vanilla", _variant_config(base, tmp, f"v{pipelines}", pipelines, None), 2 * pipelines, True),
                         ("1f1b", _variant_config(base, tmp, f"a{pipelines}", pipelines, "1f1b"), 2 * pipelines, False),
                         ("zb-h1", _variant_config(base, tmp, f"z{pipelines}", pipelines, "zb-h1"), 2 * pipelines, False)]
             results[label] = _alternate(variants, args, tmp)
-        absent_cfg = _variant_config(base, tmp, "absent", 2, "adaptive", [[1, 0]], costs)
-        free_cfg = _variant_config(base, tmp, "free", 2, "adaptive", None, costs)
-        results["absent"] = _alternate([("failure-free", free_cfg, 4, False), ("absent (1,0)", absent_cfg, 3, False)],
-                                       args, tmp)
+        if "absent" in args.setups:
+            absent_cfg = _variant_config(base, tmp, "absent", 2, "adaptive", [[1, 0]], costs)
+            free_cfg = _variant_config(base, tmp, "free", 2, "adaptive", None, costs)
+            results["absent"] = _alternate([("failure-free", free_cfg, 4, False),
+                                            ("absent (1,0)", absent_cfg, 3, False)], args, tmp)
         _report(results, costs, base, args)
     return 0
 
@@ -109,10 +115,14 @@ def _report(results: dict[str, dict[str, float]], costs_path: str, base: dict, a
 
     print("\nsetup  engine          s/iter   over vanilla")
     for label in ("2x1", "2x2"):
+        if label not in results:
+            continue
         r = results[label]
         for name in ("vanilla", "1f1b", "zb-h1"):
             print(f"{label:<6} {('ds_recycle ' + name) if name != 'vanilla' else 'DeepSpeed':<15} {r[name]:>7.3f}"
                   f"   {r[name] / r['vanilla']:>6.3f}")
+    if "absent" not in results:
+        return
     costs = CostModel.from_file(costs_path)
     stages, m = base["recycle"]["stages"], base["gradient_accumulation_steps"]
     free = make_plan(stages, 2, m, costs, (), schedule="adaptive").time_per_iteration / 1e3

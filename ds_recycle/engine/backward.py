@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["OwnerCapture", "Captured", "WeightGradWork", "backward_input"]
+__all__ = ["OwnerCapture", "Captured", "WeightGradWork", "backward_input", "backward_fused"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,3 +134,16 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, stage
               for i, (module, tensor, _) in enumerate(owners) if i in captured.grads]
     captured.grads = {}
     return input_grad, WeightGradWork(passes)
+
+
+def backward_fused(output: torch.Tensor, grad_output: torch.Tensor | None, stage_input: torch.Tensor | None,
+                   capture: OwnerCapture) -> torch.Tensor | None:
+    """B and W of one micro-batch in one pass (DeepSpeed's backward); returns the input gradient."""
+    want_input = stage_input is not None and stage_input.requires_grad
+    inputs = ([stage_input] if want_input else []) + capture.all_params
+    torch.autograd.backward([output], [grad_output] if grad_output is not None else None, inputs=inputs)
+    if not want_input:
+        return None
+    assert stage_input is not None
+    grad, stage_input.grad = stage_input.grad, None
+    return grad

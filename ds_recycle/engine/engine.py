@@ -32,7 +32,7 @@ from deepspeed.runtime.pipe import engine as ds_pipe_engine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_input
+from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, PeerChannel
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, check_plan_for_job
@@ -202,18 +202,24 @@ class RecyclePipelineEngine(PipelineEngine):
                 out = loss / self.micro_batches
         slot.output, slot.captured = out, captured
 
-    def _exec_backward_input(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
+    def _exec_backward_input(self, buffer_id: int, micro_batch: ins.MicroBatch, weights: bool = False) -> None:
         slot = self.slots[buffer_id]
         stage_input = None if self.is_first_stage() else slot.inputs
-        slot.input_grad, slot.weight_work = backward_input(slot.output, slot.grad_output, stage_input,
-                                                           slot.captured, self.capture)
-        slot.grad_output = None
+        if weights:
+            with self.stepper.accumulating_for(micro_batch[0]):
+                slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture)
+            slot.weight_work = WeightGradWork([])
+        else:
+            slot.input_grad, slot.weight_work = backward_input(slot.output, slot.grad_output, stage_input,
+                                                               slot.captured, self.capture)
+        slot.grad_output = slot.output = slot.captured = None
 
     def _exec_backward_weight(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self.slots.pop(buffer_id)
         assert slot.weight_work is not None, f"W of {micro_batch} before its B"
-        with self.stepper.accumulating_for(micro_batch[0]):
-            slot.weight_work.run()
+        if slot.weight_work.passes:
+            with self.stepper.accumulating_for(micro_batch[0]):
+                slot.weight_work.run()
 
     # ------------------------------------------------------------------ communication
     def _exec_send_activation_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:

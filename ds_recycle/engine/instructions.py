@@ -54,7 +54,8 @@ class BackwardInput(BufferOpInstruction):
 
     Computes only input gradients (and the gradients at each parameterized module's output, which W
     consumes); no parameter ``.grad`` is touched. Needs the output gradient (:class:`RecvGradFrom`) except
-    on the last stage. Local; never blocks.
+    on the last stage. Local; never blocks. With ``weights=True`` (the next op is this micro-batch's W) it
+    runs one fused backward that also accumulates the weight gradients, and the W only frees the buffer.
     """
 
 

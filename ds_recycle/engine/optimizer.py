@@ -24,8 +24,11 @@ Semantics (each stage, each iteration):
    the first stage's step of iteration k before its first op of k+1 anyway (that op consumes an activation
    the first stage computes after its step), so the validation adds no wait and no pipeline-wide barrier.
    With ``WHOLE_MODEL`` the per-stage contributions are summed by one asynchronous all-reduce over every
-   live worker. When a stage's own contribution already proves that clipping is needed, it waits instead
-   of stepping eagerly. ``synchronous`` always waits, then clips and steps (DeepSpeed's order).
+   live worker. A stage waits for the norm instead of stepping eagerly when its own contribution already
+   proves that clipping is needed, or when the previous step was clipped (clipping tends to persist over
+   consecutive steps, and a redo costs a second optimizer step plus the copies); waiting costs little,
+   since the next iteration's first op needs the first stage's step anyway. ``synchronous`` always waits,
+   then clips and steps (DeepSpeed's order).
 """
 from __future__ import annotations
 
@@ -102,6 +105,7 @@ class StaggeredOptimizer:
         self.norm_source = norm_source
         """Global rank that broadcasts the first stage's norm (``FIRST_STAGE``): its first live replica."""
         self._source_work: Any = None
+        self._expect_clip = False
         self._source_tensor: torch.Tensor | None = None
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._pending: _Pending | None = None
@@ -246,7 +250,7 @@ class StaggeredOptimizer:
         if self.scope is ClipScope.FIRST_STAGE and self.stage == 0:
             # Every first-stage replica holds the same reduced gradients: the norm is known here already.
             pending.norm, pending.clipped = self._clip_and_step(self._coefficient(local_sq))
-        elif synchronous or bool(local_sq.sqrt() >= self.max_norm):
+        elif synchronous or self._expect_clip or bool(local_sq.sqrt() >= self.max_norm):
             self._wait(work)
             pending.work = None
             pending.norm, pending.clipped = self._clip_and_step(self._coefficient(contribution))
@@ -295,6 +299,7 @@ class StaggeredOptimizer:
             self._validate(pending)
         norm, clipped = pending.norm, pending.clipped
         self.clipped_steps += int(clipped)
+        self._expect_clip = clipped
         logger.debug("iteration %d: norm %s, clipped %s", pending.iteration, norm, clipped)
         for p in self.module.parameters():
             p.grad = None

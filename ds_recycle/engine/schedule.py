@@ -8,6 +8,10 @@ F mb   ``LoadMicroBatchOf`` (first/last stage), ``RecvActivationFrom(peer)`` (no
        ``ForwardMicroBatch``, ``SendActivationTo(peer)`` (not last stage)
 B mb   ``RecvGradFrom(peer)`` (not last stage), ``BackwardInput``, ``SendGradTo(peer)`` (not first stage)
 W mb   ``BackwardWeight``
+
+When a W directly follows the B of the same micro-batch and nothing waits for the split (the first stage,
+which sends no gradient, or a ``1f1b`` plan, whose W is DeepSpeed's fused backward), the B is lowered as
+``BackwardInput(..., weights=True)``: one fused backward pass, and the W only releases the buffer.
 O      ``StaggeredOptimizerStep``, then ``WaitSends``
 =====  ==========================================================================================
 
@@ -139,15 +143,18 @@ class _Slots:
 
 
 def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
-                       peer: Callable[[int, MicroBatch], int], synchronous: bool) -> tuple[list[list[PipeInstruction]], int]:
+                       peer: Callable[[int, MicroBatch], int], synchronous: bool,
+                       fuse_adjacent_bw: bool = False) -> tuple[list[list[PipeInstruction]], int]:
     """Lower one iteration of a worker's ops to DeepSpeed steps; returns ``(steps, buffers needed)``.
 
-    ``peer(stage, mb)`` is the global rank that runs ``mb`` at ``stage``.
+    ``peer(stage, mb)`` is the global rank that runs ``mb`` at ``stage``. ``fuse_adjacent_bw``: run a B
+    that the same micro-batch's W directly follows as one fused backward (always done on the first stage).
     """
     first, last = stage == 0, stage == stages - 1
+    fuse = fuse_adjacent_bw or first
     slots = _Slots()
     steps: list[list[PipeInstruction]] = [[FinishOptimizerStep()]]
-    for item in items:
+    for n, item in enumerate(items):
         if item.kind is WorkKind.O:
             steps.append([StaggeredOptimizerStep(synchronous=synchronous), WaitSends()])
             continue
@@ -166,7 +173,9 @@ def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
         elif item.kind is WorkKind.B:
             buf = slots.of[mb]
             cmds = [] if last else [RecvGradFrom(buf, micro_batch=mb, peer=peer(stage + 1, mb))]
-            cmds.append(BackwardInput(buf, micro_batch=mb))
+            nxt = items[n + 1] if n + 1 < len(items) else None
+            weights = fuse and nxt is not None and nxt.kind is WorkKind.W and nxt.mb == mb
+            cmds.append(BackwardInput(buf, micro_batch=mb, weights=weights))
             if not first:
                 cmds.append(SendGradTo(buf, micro_batch=mb, peer=peer(stage - 1, mb)))
         else:
@@ -218,7 +227,8 @@ class PlanSchedule(PipeSchedule):
         def peer(stage: int, mb: MicroBatch) -> int:
             return rank_of(plan.worker_of(stage, mb))
 
-        self._steps, self._buffers = lower_worker_items(self.items, worker[1], plan.stages, peer, synchronous)
+        fuse = getattr(plan, "schedule", None) == "1f1b"
+        self._steps, self._buffers = lower_worker_items(self.items, worker[1], plan.stages, peer, synchronous, fuse)
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
         yield from self._steps

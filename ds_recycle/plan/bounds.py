@@ -8,7 +8,8 @@ from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError, StageLostError
 from ds_recycle.plan.ops import Worker
 
-__all__ = ["lower_bound", "routed_lower_bound", "best_possible", "failures_per_stage", "check_shape"]
+__all__ = ["lower_bound", "routed_lower_bound", "round_trip_bound", "best_possible", "failures_per_stage",
+           "check_shape"]
 
 
 def check_shape(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int = 1) -> None:
@@ -67,6 +68,23 @@ def routed_lower_bound(stages: int, pipelines: int, microbatches: int, costs: Co
         best = max(best, prefix + load * costs.work(s) + iterations * costs.O[s])
         prefix += costs.F[s] + costs.comm
     return best
+
+
+def round_trip_bound(stages: int, pipelines: int, microbatches: int, costs: CostModel,
+                     failed: Iterable[Worker] = (), iterations: int = 1) -> float:
+    """A bound the plan format's formula leaves out: stage 0 waits for a round trip every iteration.
+
+    No B at stage 0 can start before one micro-batch has gone forward through every stage and backward to
+    stage 0, and stage 0 starts iteration k+1 only after its O of iteration k. So, with
+    ``n_0 = ceil(D*M/(D - f_0))`` micro-batches on the busiest live worker of stage 0 (routing is the same
+    every iteration):
+    ``K * [F_0 + sum_{j>0}(F_j + B_j + 2*comm) + n_0 * (B_0 + W_0) + O_0]``.
+    """
+    check_shape(stages, pipelines, microbatches, costs, iterations)
+    f = failures_per_stage(failed, stages, pipelines)
+    trip = costs.F[0] + sum(costs.F[j] + costs.B[j] + 2 * costs.comm for j in range(1, stages))
+    n0 = math.ceil(pipelines * microbatches / (pipelines - f[0]))
+    return iterations * (trip + n0 * (costs.B[0] + costs.W[0]) + costs.O[0])
 
 
 def best_possible(stages: int, pipelines: int, microbatches: int, costs: CostModel,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -56,7 +55,8 @@ class PlanCache:
     def __init__(self, stages: int, pipelines: int, microbatches: int, costs: CostModel, *, iterations: int = 1,
                  schedule: str = "adaptive", optimizer: str = "staggered", memory_limit: int | None = None) -> None:
         self.stages, self.pipelines, self.microbatches, self.costs = stages, pipelines, microbatches, costs
-        self.iterations, self.schedule, self.optimizer, self.memory_limit = iterations, schedule, optimizer, memory_limit
+        self.iterations, self.schedule = iterations, schedule
+        self.optimizer, self.memory_limit = optimizer, memory_limit
         self._plans: dict[FailureKey, Plan] = {}
         self._renamed: dict[frozenset[Worker], Plan] = {}
 
@@ -104,19 +104,12 @@ class PlanCache:
                     keys.setdefault(normalize_failures(combo, self.stages, self.pipelines)[0])
         return list(keys)
 
-    def precompute(self, max_failures: int = 2, processes: int = 1) -> int:
-        """Make the plan of every failure set of up to ``max_failures`` workers; returns how many distinct.
-
-        ``processes`` > 1 makes the plans in that many worker processes.
-        """
-        keys = [key for key in self.keys_up_to(max_failures) if key not in self._plans]
-        if processes > 1 and len(keys) > 1:
-            with ProcessPoolExecutor(processes) as pool:
-                for key, plan in zip(keys, pool.map(self._make, keys, chunksize=max(1, len(keys) // (4 * processes)))):
-                    self._plans[key] = plan
+    def precompute(self, max_failures: int = 2) -> int:
+        """Make the plan of every failure set of up to ``max_failures`` workers; returns how many distinct."""
+        keys = self.keys_up_to(max_failures)
         for key in keys:
             self._plan(key)
-        return len(self.keys_up_to(max_failures))
+        return len(keys)
 
     def _make(self, key: FailureKey) -> Plan:
         return make_plan(self.stages, self.pipelines, self.microbatches, self.costs, _failed_of(key),
@@ -151,7 +144,8 @@ class PlanCache:
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
                 raise
-            raise PlanError(f"plan cache {str(path)!r} is malformed: {exc!r}. Fix: write it with PlanCache.save") from exc
+            raise PlanError(f"plan cache {str(path)!r} is malformed: {exc!r}. "
+                            f"Fix: write it with PlanCache.save") from exc
         return cache
 
 

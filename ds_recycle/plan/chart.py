@@ -23,6 +23,8 @@ def timeline(plan: Plan, width: int = 160) -> str:
     for (p, s) in sorted(plan.workers, key=lambda w: (w[1], w[0])):
         cells = ["."] * columns
         for op in plan.workers[(p, s)]:
+            if op.end <= op.start:
+                continue  # zero-length ops (an O that costs nothing) take no column
             char = op.kind.value
             if op.kind is not OpKind.O and op.mb[0] != p:
                 char = char.lower()

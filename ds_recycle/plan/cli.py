@@ -45,7 +45,8 @@ def parse_costs(text: str) -> tuple[float, float, float, float, float]:
     except ValueError:
         values = ()
     if len(values) != 5 or any(not v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"--costs {text!r}: expected five numbers >= 0, F,B,W,O,comm (e.g. 1,1,1,0.5,0.05)")
+        raise argparse.ArgumentTypeError(f"--costs {text!r}: expected five numbers >= 0, F,B,W,O,comm "
+                                         f"(e.g. 1,1,1,0.5,0.05)")
     return values  # type: ignore[return-value]
 
 
@@ -72,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--costs-file", type=Path, metavar="FILE", help="cost profile: the plan format's costs object")
     parser.add_argument("--memory-limit", type=_positive("--memory-limit"), default=None, metavar="N",
                         help="most micro-batches a worker may hold (default: none; zb-h1 always holds at most S)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="staggered")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                        help="default: synchronous for 1f1b (as DeepSpeed steps), staggered otherwise")
     parser.add_argument("--schedule", choices=SCHEDULES, default="adaptive")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the plan (ds-recycle-plan/1)")
     parser.add_argument("--png", type=Path, metavar="FILE", help="write a timeline picture")
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     """Make the plan, check it, print its figures and write the files asked for."""
     try:
         costs = _costs(args)
-        kwargs = dict(iterations=args.iterations, schedule=args.schedule, optimizer=args.optimizer,
+        optimizer = args.optimizer or ("synchronous" if args.schedule == "1f1b" else "staggered")
+        kwargs = dict(iterations=args.iterations, schedule=args.schedule, optimizer=optimizer,
                       memory_limit=args.memory_limit)
         plan = make_plan(args.stages, args.pipelines, args.microbatches, costs, args.fail, **kwargs)
         validate_plan(plan)

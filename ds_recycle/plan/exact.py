@@ -31,7 +31,7 @@ from scipy.sparse import coo_matrix
 
 from ds_recycle.plan.bounds import check_shape, failures_per_stage, lower_bound
 from ds_recycle.plan.costs import CostModel
-from ds_recycle.plan.ops import Op, OpKind, Worker
+from ds_recycle.plan.ops import OpKind, Worker
 from ds_recycle.plan.plan import Plan
 from ds_recycle.plan.routing import route
 from ds_recycle.plan.schedules import make_plan

@@ -47,6 +47,9 @@ class Policy:
     """Prefer a ready F over a ready B (feeds a loaded downstream stage sooner)."""
     fit_w: bool = False
     """Start a W only if it ends before the next F or B already on its way arrives (else wait for that)."""
+    free_early: bool = False
+    """With a memory limit: once the worker is one micro-batch short of it, a pending W goes before B and F
+    (it frees room for the next F, so the pipeline keeps being fed)."""
     alternate: bool = False
     """Once the warm-up cap is reached, strictly alternate B and F (1F1B's order of F and B), with W
     filling the time in which the op due next is not ready: ZB-H1's construction."""
@@ -146,6 +149,8 @@ class _Pass:
         f_ok = w.fin and w.held < self.mem and w.open < w.f_cap and expect is not _B
         f_ready, _, f_from = self._heads(w, w.fin) if f_ok else (_INF, None, 0)
         w_ready = w.free if w.wq else _INF
+        if self.policy.free_early and w.wq and w.held >= self.mem - 1:
+            return w.free, _W, 0
         if self.policy.fit_w and w.wq and min(b_ready, f_ready) < w.free + self.costs.W[w.stage] - 1e-12:
             w_ready = _INF
         t = max(w.free, min(b_ready, f_ready, w_ready))

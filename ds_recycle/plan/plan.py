@@ -33,9 +33,10 @@ class Plan:
     failed: frozenset[Worker]
     workers: Mapping[Worker, tuple[Op, ...]]
     schedule: str = "adaptive"
-    _route: dict[tuple[int, MicroBatch], Worker] = field(default_factory=dict, repr=False)
+    _route: dict[tuple[int, MicroBatch], Worker] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_route", {})
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer = {self.optimizer!r}: use one of {OPTIMIZERS}")
         if self.schedule not in SCHEDULES:

@@ -2,7 +2,10 @@
 
     plan = make_plan(4, 2, 8, CostModel.uniform(4), failed=[(1, 2)], iterations=2)
 
-* ``"1f1b"``: DeepSpeed's schedule: stage s runs at most ``S - s`` micro-batches ahead, B and W fused.
+* ``"1f1b"``: DeepSpeed's schedule: stage s runs at most ``S - s`` micro-batches ahead, B and W fused:
+  W right after its B, and the gradient leaves the stage only after W, as DeepSpeed's single backward
+  call does (so its times are later than rule 4 alone requires; ``simulate(..., fused_backward=True)``
+  reproduces them). DeepSpeed steps all stages together: pass ``optimizer="synchronous"`` for that.
 * ``"zb-h1"``: the zero-bubble ZB-H1 family ("Zero Bubble Pipeline Parallelism", arXiv 2401.10241):
   B early, W deferred into idle time, and no worker holding more than S micro-batches (1F1B's first stage).
 * ``"adaptive"``: the best (smallest makespan) of several greedy variants (:data:`ADAPTIVE_VARIANTS`),
@@ -14,6 +17,7 @@ in every schedule; when a stage has lost every worker, :class:`StageLostError` s
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -21,7 +25,7 @@ from typing import Iterable
 
 from ds_recycle.plan.bounds import check_shape, failures_per_stage
 from ds_recycle.plan.costs import CostModel
-from ds_recycle.plan.errors import PlanError
+from ds_recycle.plan.errors import DeadlockError, PlanError
 from ds_recycle.plan.listsched import Policy, list_schedule
 from ds_recycle.plan.ops import Worker
 from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan
@@ -38,17 +42,29 @@ ADAPTIVE_VARIANTS: tuple[tuple[int | None, bool], ...] = ((None, False), (None, 
 Ordered by how often each was the best over the benchmark grid (S in {4, 8}; 480 cases): the first
 won 76% of them and was never more than 7.3% (0.44% on average) behind the best of all six."""
 
-#: (most ops in the plan, variants tried): big plans try fewer variants so that planning stays fast
-VARIANTS_BY_SIZE: tuple[tuple[int, int], ...] = ((8_000, 6), (30_000, 3))
+#: (most ops in the plan, variants tried): big plans try fewer variants so that planning stays fast;
+#: beyond the last size, one variant (two under a memory limit)
+VARIANTS_BY_SIZE: tuple[tuple[int, int], ...] = ((8_000, 12), (30_000, 4))
 
 
 def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[Policy, ...]:
-    """The greedy variants a schedule tries, best kept."""
+    """The greedy variants a schedule tries, in order; the best is kept.
+
+    Under a memory limit the adaptive planner also tries :attr:`Policy.free_early` versions, ordered by how
+    often they won over the benchmark grid with a limit (S in {4, 8}; 252 cases).
+    """
     if schedule == "1f1b":
         return (Policy(fused=True, warmup=0, memory_limit=memory_limit),)
     limit = _plan_memory_limit(schedule, stages, memory_limit)
-    variants = ADAPTIVE_VARIANTS if schedule == "adaptive" else ((0, False), (0, True), (1, False))
-    return tuple(Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True) for w, ff in variants)
+    if schedule == "zb-h1":
+        return tuple(Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True)
+                     for w, ff in ((0, False), (0, True), (1, False)))
+    base = [Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True) for w, ff in ADAPTIVE_VARIANTS]
+    if limit is None:
+        return tuple(base)
+    early = [dataclasses.replace(p, free_early=True) for p in base]
+    # base[4] is ZB-H1's warm-up cap (S - s): under a limit it often wins on deep pipelines (S = 16)
+    return tuple([base[0], early[0], base[4], early[1], base[2], base[3], base[1], base[5]] + early[2:])
 
 
 def _plan_memory_limit(schedule: str, stages: int, memory_limit: int | None) -> int | None:
@@ -63,10 +79,11 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
               time_budget: float | None = None) -> Plan:
     """The plan of ``schedule`` for this shape and failure set (see the module docstring).
 
-    ``variants``: how many greedy variants to try (default: all six up to 8,000 ops, three up to 30,000,
-    else one; see :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once
-    spent (the first always runs); it makes the result depend on the machine's speed, so caches and tests
-    leave it unset.
+    ``variants``: how many greedy variants to try (default: all of them (six, twelve under a memory
+    limit) up to 8,000 ops, four up to 30,000, else one (two under a memory limit); see
+    :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once spent (the
+    first always runs); it makes the result depend on the machine's speed, so caches and tests leave it
+    unset.
     Raises :class:`StageLostError` when every worker of some stage failed, :class:`PlanError` on bad input.
     """
     check_shape(stages, pipelines, microbatches, costs, iterations)
@@ -82,16 +99,24 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     began, best = time.perf_counter(), None
     if variants is None:
         ops = 3 * stages * pipelines * microbatches * iterations
-        variants = next((n for most, n in VARIANTS_BY_SIZE if ops <= most), 1)
+        variants = next((n for most, n in VARIANTS_BY_SIZE if ops <= most), 1 if memory_limit is None else 2)
+    stalled: list[str] = []
     for policy in policies_for(schedule, stages, memory_limit)[:max(1, variants)]:
-        workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations,
-                                optimizer == "synchronous", policy)
+        try:
+            workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations,
+                                    optimizer == "synchronous", policy)
+        except DeadlockError as exc:  # a variant that cannot finish under the memory limit: try the next
+            logger.warning("%s", exc)
+            stalled.append(str(exc))
+            continue
         span = max(ops[-1].end for ops in workers.values())
         if best is None or span < best[0] - 1e-12:
             best = (span, workers)
         if time_budget is not None and time.perf_counter() - began > time_budget:
             break
-    assert best is not None
+    if best is None:
+        raise PlanError(f"no {schedule} plan fits memory_limit={memory_limit}: {stalled[0]}. "
+                        f"Fix: raise --memory-limit")
     logger.debug("plan S=%d D=%d M=%d K=%d failed=%s %s: makespan %.4g", stages, pipelines, microbatches,
                  iterations, sorted(failed), schedule, best[0])
     return Plan(stages, pipelines, microbatches, iterations, optimizer,
@@ -99,7 +124,7 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
                 schedule)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def best_failure_free(stages: int, pipelines: int, microbatches: int, costs: CostModel, *,
                       iterations: int = 1, optimizer: str = "staggered",
                       memory_limit: int | None = None) -> Plan:

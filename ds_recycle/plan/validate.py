@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Any, Mapping
 
 from ds_recycle.plan.errors import PlanValidationError
-from ds_recycle.plan.ops import Op, OpKind, Worker
+from ds_recycle.plan.ops import OpKind, Worker
 from ds_recycle.plan.plan import Plan
 
 __all__ = ["validate_plan", "validate_document", "check_channels"]

@@ -118,6 +118,7 @@ class ResilientRunner(RecycleRunner):
             lr_scheduler=eng.lr_scheduler, served=served, stage_rerouted=rerouted,
             norm_source=min(workers.stage_ranks(0))).attach(comm, self._at_step)
         eng.stepper.clipped_steps, eng.stepper.redone_steps = old.clipped_steps, old.redone_steps
+        eng.stepper._expect_clip = getattr(old, "_expect_clip", False)
         eng.reporter_rank = min(workers.stage_ranks(workers.stages - 1))
         eng.slots, eng._loss_sum = {}, None
         self.rerouted = sum(plan.worker_of(s, (d, i))[0] != d for s in range(plan.stages)

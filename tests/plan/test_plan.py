@@ -75,3 +75,11 @@ def test_grid_picture(small_plan: Plan) -> None:
     assert "p0s1 |" in picture and ">" in picture
     assert f">{small_plan.workers[(0, 1)][3]}<" in picture
     assert all(op.kind in OpKind for ops in small_plan.workers.values() for op in ops)
+
+
+def test_planner_imports_neither_torch_nor_deepspeed() -> None:
+    import subprocess
+    import sys
+    code = ("import sys, ds_recycle.plan, ds_recycle.plan.cli, ds_recycle.plan.exact, ds_recycle.plan.trace; "
+            "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -19,7 +19,7 @@ def plan() -> Plan:
 def _with(plan: Plan, worker, ops) -> Plan:
     workers = dict(plan.workers)
     workers[worker] = tuple(ops)
-    return dataclasses.replace(plan, workers=workers, _route={})
+    return dataclasses.replace(plan, workers=workers)
 
 
 def _index(plan: Plan, worker, text: str) -> int:
@@ -122,12 +122,12 @@ def test_rule5_next_iteration_before_o(plan: Plan) -> None:
 
 
 def test_rule5_synchronous(plan: Plan) -> None:
-    sync = dataclasses.replace(plan, optimizer="synchronous", _route={})
+    sync = dataclasses.replace(plan, optimizer="synchronous")
     _expect(sync, 5, "another O of the iteration")
 
 
 def test_rule6_memory(plan: Plan) -> None:
-    tight = dataclasses.replace(plan, memory_limit=1, _route={})
+    tight = dataclasses.replace(plan, memory_limit=1)
     err = _expect(tight, 6, "over memory_limit 1")
     assert err.op.startswith("F")
 
