@@ -47,10 +47,10 @@ def main() -> int:
         clean = run_job(Path(args.config), args.steps, None, Path(tmp))
         failed = run_job(Path(args.config), args.steps, args.kill, Path(tmp))
     rec = next(e for r in failed for e in r["events"] if e["kind"] == "recovered")
-    hit = next(r["iteration"] for r in failed if any(e["kind"] == "recovered" for e in r["events"]))
+    hit = next(r["iter"] for r in failed if any(e["kind"] == "recovered" for e in r["events"]))
     tput = lambda rs: statistics.median(r["tokens_per_s"] for r in rs) if rs else float("nan")  # noqa: E731
-    before = [r for r in failed[1:] if r["iteration"] < hit]
-    after = [r for r in failed if r["iteration"] > hit]
+    before = [r for r in failed[1:] if r["iter"] < hit]
+    after = [r for r in failed if r["iter"] > hit]
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}; config {args.config}; kill {args.kill}; {args.steps} steps")
     print(f"failure -> first full iteration: {rec['failure_to_full_iteration_s']:.3f} s (redo of iteration "

@@ -29,7 +29,8 @@ from ds_recycle.config import TrainConfig
 from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.engine import _served_pipelines
 from ds_recycle.engine.runner import RecycleRunner
-from ds_recycle.plan import CostModel, PlanCache
+from ds_recycle.plan import CostModel, PlanCache, StageLostError
+from ds_recycle.resilience import checkpoint as ckpt
 from ds_recycle.resilience.comm import PeerFailure
 from ds_recycle.resilience.faults import FaultInjector, FaultSpec, Phase
 from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
@@ -59,10 +60,6 @@ def faults_of(cfg: TrainConfig) -> list[FaultSpec]:
     return [FaultSpec(f.worker[0], f.worker[1], f.iteration, Phase(f.phase)) for f in cfg.recycle.faults]
 
 
-def _fault_key(rank: int) -> str:
-    return f"{StoreKeys().root}/fault/{rank}"
-
-
 class ResilientRunner(RecycleRunner):
     """A :class:`RecycleRunner` that survives the loss of workers (see the module docstring)."""
 
@@ -71,10 +68,13 @@ class ResilientRunner(RecycleRunner):
         rc = cfg.recycle
         self.cfg = cfg
         self.rank = world.rank
-        self.keys = StoreKeys()
         self.store = connect_store(timeout_s=rc.failure_timeout_s)
-        self.heartbeat = Heartbeat(lambda: connect_store(timeout_s=rc.failure_timeout_s), self.rank).start()
-        self.liveness = Liveness(self.store, rc.heartbeat_stale_s)
+        self.generation = int(self.store.add(ckpt.GENERATION_KEY, 0))
+        """How many times the job fell back to a checkpoint; names this incarnation's store keys."""
+        self.keys = StoreKeys(root=f"ds_recycle/gen{self.generation}") if self.generation else StoreKeys()
+        self.heartbeat = Heartbeat(lambda: connect_store(timeout_s=rc.failure_timeout_s), self.rank,
+                                   keys=self.keys).start()
+        self.liveness = Liveness(self.store, rc.heartbeat_stale_s, keys=self.keys)
         costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
         self.plans = PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, costs, schedule=rc.schedule,
                                optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
@@ -86,7 +86,9 @@ class ResilientRunner(RecycleRunner):
         self.events: list[dict[str, Any]] = []
         self._recovery: dict[str, Any] | None = None
         self._target = 0
-        self.injector = FaultInjector(faults_of(cfg), *self.engine.worker)
+        restarted = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")) > 0
+        # Faults fire in a worker's first life only: a restarted worker must not die again at the same spot.
+        self.injector = FaultInjector([] if restarted else faults_of(cfg), *self.engine.worker)
         self._install(self._build_comm(""), self.workers, self.plan)
         if self.injector.pending:
             self._wrap_handlers()
@@ -96,7 +98,7 @@ class ResilientRunner(RecycleRunner):
         stage_members = self.workers.stage_ranks(self.engine.stage_id)
         try:
             return EpochComm.build(self.store, self.epoch, self.members, stage_members, self.rank,
-                                   self.cfg.recycle.failure_timeout_s, tag)
+                                   self.cfg.recycle.failure_timeout_s, f"g{self.generation}{tag}")
         except RuntimeError as e:  # a member died while the groups were being connected
             raise PeerFailure(f"building the groups of epoch {self.epoch}: {e}") from e
 
@@ -128,8 +130,11 @@ class ResilientRunner(RecycleRunner):
     def _fire(self, phase: Phase) -> None:
         it = self.engine.iteration
         if any(f.iteration == it and f.phase is phase for f in self.injector.pending):
-            self.store.set(_fault_key(self.rank), repr(time.time()))
+            self.store.set(self._fault_key(self.rank), repr(time.time()))
             self.injector.reached(it, phase)
+
+    def _fault_key(self, rank: int) -> str:
+        return f"{self.keys.root}/fault/{rank}"
 
     def _at_step(self) -> None:
         self._fire(Phase.OPTIMIZER_STEP)
@@ -149,10 +154,10 @@ class ResilientRunner(RecycleRunner):
     # ------------------------------------------------------------------ training
     def train_iteration(self, iteration: int) -> IterationResult:
         self._target = iteration + 1
-        self.events = []
         loss = self._advance(self._target)
+        events, self.events = tuple(self.events), []
         return IterationResult(loss=None if loss is None else float(loss), live_workers=len(self.members),
-                               rerouted_microbatches=self.rerouted, events=tuple(self.events))
+                               rerouted_microbatches=self.rerouted, events=events)
 
     def _advance(self, target: int) -> Any:
         """Run engine iterations until ``target`` iterations are done, recovering from failures on the way."""
@@ -195,7 +200,7 @@ class ResilientRunner(RecycleRunner):
         agreed = time.time()
         redo = min(int(self.store.get(f"{self.keys.root}/epoch/{self.epoch}/snap/{q}")) for q in members)
         dead = sorted(set(self.members) - set(members))
-        killed = [float(self.store.get(_fault_key(q))) for q in dead if self.store.check([_fault_key(q)])]
+        killed = [float(self.store.get(self._fault_key(q))) for q in dead if self.store.check([self._fault_key(q)])]
         self._event("failure", lost_ranks=dead, lost_workers=[list(self.workers.worker_of_rank(q)) for q in dead],
                     reason=str(failure), epoch=self.epoch)
         self._event("agreement", members=members, epoch=self.epoch, redo_iteration=redo)
@@ -205,7 +210,10 @@ class ResilientRunner(RecycleRunner):
         self.workers = workers
         comm = self._build_comm("")
         regrouped = time.time()
-        plan = self.plans.get(workers.absent())
+        try:
+            plan = self.plans.get(workers.absent())
+        except StageLostError as e:
+            self._fall_back(e)
         planned = time.time()
         self._install(comm, workers, plan)
         self._event("plan_switch", absent=sorted(list(w) for w in workers.absent()), rerouted=self.rerouted)
@@ -217,6 +225,48 @@ class ResilientRunner(RecycleRunner):
                           "regroup_s": regrouped - agreed, "plan_lookup_s": planned - regrouped,
                           "restore_s": restored - planned, "redo_iteration": redo, "_restored_at": restored}
         logger.warning("recovered from the loss of ranks %s: members %s, redoing iteration %d", dead, members, redo)
+
+    def _fall_back(self, error: StageLostError) -> None:
+        """Every worker of a stage is gone: restart the whole job from the latest checkpoint (never returns)."""
+        self._event("fallback", reason=str(error), generation=self.generation + 1)
+        logger.error("cannot re-route (%s): falling back to the latest checkpoint; this worker leaves as lost "
+                     "(exit %d) and the launcher restarts every rank (--restart_failed_after)", error, ckpt.LOST_EXIT_CODE)
+        self.store.compare_set(ckpt.GENERATION_KEY, str(self.generation), str(self.generation + 1))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(ckpt.LOST_EXIT_CODE)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _with_recovery(self, what: Any) -> Any:
+        """Run ``what()``; on a failure recover, catch up to the loop's iteration and run it again."""
+        while True:
+            try:
+                return what()
+            except PeerFailure as failure:
+                self._recover(failure)
+                self._advance(self._target)
+
+    def save_checkpoint(self, directory: str, next_iteration: int) -> None:
+        """Each stage's first live replica writes its state; ``latest`` is written once all are complete."""
+        def save() -> None:
+            self.engine._exec_finish_optimizer_step()  # the saved step must be final (post-validation)
+            if self.rank == self.workers.stage_ranks(self.engine.stage_id)[0]:
+                ckpt.save_stage(self.engine, directory, next_iteration)
+            self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "checkpoint barrier")
+            if self.rank == min(self.members):
+                ckpt.write_latest(directory, next_iteration)
+            self._event("checkpoint", next_iteration=next_iteration, directory=directory)
+        self._with_recovery(save)
+
+    def load_checkpoint(self, directory: str) -> int | None:
+        start = ckpt.load_stage(self.engine, directory)
+        if start is not None:
+            self._target = start
+            self.snapshots = SnapshotRing()
+            if self.generation:
+                self._event("resumed", iteration=start, generation=self.generation, directory=directory)
+        return start
 
     # ------------------------------------------------------------------ end of training
     def _finish(self) -> None:

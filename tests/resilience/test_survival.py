@@ -115,3 +115,19 @@ def test_2x2_two_failures_in_different_stages(tmp_path: Path, baseline_2x2: Path
                                   ["1:0@2:backward-input", "0:1@4:receive"])
     assert output.count("lost: signal SIGKILL") >= 2
     _assert_same(out, baseline_2x2)
+
+
+@pytest.mark.timeout(200)
+def test_whole_stage_lost_falls_back_to_the_checkpoint(tmp_path: Path, baseline_2x2: Path) -> None:
+    """Both workers of the last stage die at once: every rank restarts from the iteration-4 checkpoint."""
+    out, metrics = tmp_path / "fb.pt", tmp_path / "fb.jsonl"
+    args = ["--deepspeed_config", str(_config(tmp_path, "fb", 2, 2)), "--steps", str(STEPS), "--save-final", str(out),
+            "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-interval", "2",
+            "--resume", "--kill", "0:1@5:forward", "--kill", "1:1@5:backward-input"]
+    job = launch(4, args, timeout=180, launcher_args=["--restart_failed_after", "1", "--max_restarts", "1"])
+    assert job.returncode == 0, job.output[-5000:]
+    assert "'kind': 'fallback'" in job.output and job.output.count("lost: exit code 75") == 2, job.output[-5000:]
+    assert job.output.count("(restart 1) finished: exit code 0") == 4
+    records = job.metrics(metrics)  # the restarted reporter's file: from the checkpoint on
+    assert records[0]["iter"] == 4 and records[0]["events"][0]["kind"] == "resumed"
+    _assert_same(out, baseline_2x2)
