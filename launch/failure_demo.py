@@ -87,13 +87,14 @@ def main() -> int:
     fig, ax = plt.subplots(figsize=(9, 4))
     r_line = _timeline(t0, recycle)
     ax.plot(*zip(*r_line), label="ds_recycle", marker=".")
-    v_line = _timeline(v0, first) + _timeline(v0, second)
-    ax.plot(*zip(*v_line), label="vanilla DeepSpeed + checkpoint restart", marker=".")
+    ax.plot(*zip(*_timeline(v0, first)), color="tab:orange", marker=".",
+            label="vanilla DeepSpeed + checkpoint restart")
+    ax.plot(*zip(*_timeline(v0, second)), color="tab:orange", marker=".")
     kill_t = next((e["killed_at"] for e in events if e["kind"] == "recovered" and e.get("killed_at")), None)
     if kill_t:
         ax.axvline(kill_t - t0, color="red", ls="--", label=f"worker killed (iteration {fail_at})")
     ax.axvline(v1 - v0, color="gray", ls=":", label=f"vanilla restarted (resumes at iteration {resumed_at})")
-    ax.set_xlabel("wall-clock time (s)")
+    ax.set_xlabel("wall-clock time since the job's launch (s)")
     ax.set_ylabel("tokens/s")
     ax.legend(fontsize=8)
     ax.set_title(f"{Path(args.config).name}: one worker SIGKILLed at iteration {fail_at}")
