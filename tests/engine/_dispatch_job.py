@@ -43,7 +43,7 @@ def main() -> int:
     engine.enable_op_timing()
     engine.__class__ = Spy
     loss = engine.train_batch()
-    report = {"executed": sorted(engine.op_seconds), "spy": called, "loss": float(loss)}
+    report = {"executed": sorted(engine.op_seconds), "spy": list(called), "loss": float(loss)}
 
     class Unknown(PipeInstruction):
         pass
@@ -56,6 +56,13 @@ def main() -> int:
         engine._exec_schedule(OneStep(1, 1, 0))
     except RuntimeError as e:
         report["unknown_error"] = str(e)
+    from ds_recycle.engine.optimizer import ClipScope
+
+    engine.stepper.scope, engine.stepper.counts = ClipScope.WHOLE_MODEL, True  # the all-reduced norm path
+    engine.train_batch()
+    outcome = engine.finish()
+    report["whole_model_norm"] = None if outcome is None else outcome.norm
+    report["steps"] = engine.global_steps
     print("REPORT " + json.dumps(report))
     runner.close()
     return 0

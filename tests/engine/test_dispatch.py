@@ -32,3 +32,4 @@ def test_engine_runs_its_handlers_and_names_unknown_instructions() -> None:
     assert report["spy"] == ["W(0, 0)", "W(0, 1)"]  # the subclass's override ran, once per micro-batch
     assert "has no handler for instruction Unknown()" in report["unknown_error"]
     assert 4.0 < report["loss"] < 7.0  # a real cross-entropy over 256 byte values at initialisation
+    assert report["steps"] == 2 and report["whole_model_norm"] > 0.0  # the WHOLE_MODEL clipping norm ran
