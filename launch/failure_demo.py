@@ -75,8 +75,8 @@ def main() -> int:
     print(f"{'vanilla + checkpoint':<22}{t_vanilla:>13.1f}{fail_at - resumed_at:>19}{args.steps / t_vanilla:>14.3f}")
     if rec:
         print(f"ds_recycle: failure -> first full iteration {rec['failure_to_full_iteration_s']:.3f} s")
-    cmp = subprocess.run([sys.executable, "-m", "ds_recycle", "compare", str(out / "recycle.pt"), str(out / "vanilla.pt"),
-                          "--rtol", "1e-5"], cwd=REPO, capture_output=True, text=True,
+    cmp = subprocess.run([sys.executable, "-m", "ds_recycle", "compare", str(out / "recycle.pt"),
+                          str(out / "vanilla.pt"), "--rtol", "1e-5"], cwd=REPO, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     print("final parameters, ds_recycle vs vanilla:", cmp.stdout.strip().splitlines()[-1])
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 GENERATION_KEY = "ds_recycle/generation"
 """Store counter: how many times the whole job fell back to a checkpoint."""
 LOST_EXIT_CODE = int(os.environ.get("DS_RECYCLE_LOST_EXIT_CODE", "75"))
+FALLBACK_WAIT_S = 30.0
+"""How long a restarted worker waits for the job to fall back before it leaves as lost (no rejoin yet)."""
 
 
 def _stage_file(directory: str, iteration: int, stage: int) -> Path:
@@ -81,10 +84,23 @@ def init_generation_world(timeout_s: float) -> bool:
     from ds_recycle.resilience.store import connect_store
 
     store = connect_store(timeout_s)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     generation = int(store.add(GENERATION_KEY, 0))
+    mine = f"ds_recycle/rank_generation/{rank}"
+    if int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")) > 0 and store.check([mine]):
+        died_in = int(store.get(mine))
+        deadline = time.monotonic() + FALLBACK_WAIT_S
+        while generation <= died_in and time.monotonic() < deadline:  # only a fallback lets it back in
+            time.sleep(0.05)
+            generation = int(store.add(GENERATION_KEY, 0))
+        if generation <= died_in:
+            logger.error("restarted, but the job did not fall back to a checkpoint within %.0f s; joining a "
+                         "running job is not supported yet: leaving as lost", FALLBACK_WAIT_S)
+            logging.shutdown()
+            os._exit(LOST_EXIT_CODE)
+    store.set(mine, str(generation))
     if generation == 0:
         return False
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     logger.warning("generation %d: joining the restarted job from its checkpoint", generation)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"ds_recycle/gen{generation}/", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))

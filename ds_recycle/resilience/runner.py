@@ -90,8 +90,7 @@ class ResilientRunner(RecycleRunner):
         # Faults fire in a worker's first life only: a restarted worker must not die again at the same spot.
         self.injector = FaultInjector([] if restarted else faults_of(cfg), *self.engine.worker)
         self._install(self._build_comm(""), self.workers, self.plan)
-        if self.injector.pending:
-            self._wrap_handlers()
+        self._wrap_handlers()
 
     # ------------------------------------------------------------------ groups and engine state
     def _build_comm(self, tag: str) -> EpochComm:
@@ -140,14 +139,19 @@ class ResilientRunner(RecycleRunner):
         self._fire(Phase.OPTIMIZER_STEP)
 
     def _wrap_handlers(self) -> None:
+        """Before every instruction: look for a member's exit (one store read), and fire due faults."""
         table = dict(self.engine._INSTRUCTION_MAP)
-        for kind, phase in _PHASES.items():
-            table[kind] = self._wrapped(table[kind], phase)
+        for kind, handler in table.items():
+            table[kind] = self._wrapped(handler, _PHASES.get(kind))
         self.engine._INSTRUCTION_MAP = table  # instance attribute: _exec_schedule looks it up on self
 
-    def _wrapped(self, handler: Any, phase: Phase) -> Any:
+    def _wrapped(self, handler: Any, phase: Phase | None) -> Any:
         def run(engine: Any, **kwargs: Any) -> Any:
-            self._fire(phase)
+            # A survivor busy computing learns of a failure at its next instruction, not at its next wait.
+            if self.comm.probe.failed():
+                raise PeerFailure("a member exited (seen between instructions)")
+            if phase is not None:
+                self._fire(phase)
             return handler(engine, **kwargs)
         return run
 
@@ -230,7 +234,8 @@ class ResilientRunner(RecycleRunner):
         """Every worker of a stage is gone: restart the whole job from the latest checkpoint (never returns)."""
         self._event("fallback", reason=str(error), generation=self.generation + 1)
         logger.error("cannot re-route (%s): falling back to the latest checkpoint; this worker leaves as lost "
-                     "(exit %d) and the launcher restarts every rank (--restart_failed_after)", error, ckpt.LOST_EXIT_CODE)
+                     "(exit %d) and the launcher restarts every rank (--restart_failed_after)", error,
+                     ckpt.LOST_EXIT_CODE)
         self.store.compare_set(ckpt.GENERATION_KEY, str(self.generation), str(self.generation + 1))
         logging.shutdown()
         sys.stdout.flush()
@@ -275,6 +280,9 @@ class ResilientRunner(RecycleRunner):
                 self.engine.finish()
                 self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "end-of-training barrier")
                 self._finished = True
+                st = self.engine.stepper
+                logger.info("optimizer steps: %d, clipped %d, redone after post-validation %d",
+                            self.engine.global_steps, st.clipped_steps, st.redone_steps)
             except PeerFailure as failure:
                 self._recover(failure)
                 self._advance(self._target)
