@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The main job: train the default GPT (2 stages x 2 pipelines on CPU) with ds_recycle's launcher.
+# The main demo: train the default GPT (2 stages x 2 pipelines on CPU) with ds_recycle's launcher, SIGKILL a
+# worker mid-run and watch training go on; then vanilla DeepSpeed under the same failure (its job dies and
+# restarts from its checkpoint). Prints a table, writes throughput.png, compares both final models.
 #
-#   bash launch/demo.sh                 # 30 iterations of configs/gpt_cpu_2x2.json, metrics in runs/demo/
-#   STEPS=60 CONFIG=configs/other.json bash launch/demo.sh
+#   bash launch/demo.sh                              # 30 iterations, worker (1, 0) killed at iteration 12
+#   STEPS=60 KILL=0:1@20:send bash launch/demo.sh    # P:S@N:PHASE (keep worker (0, last stage) alive)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CONFIG=${CONFIG:-$ROOT/configs/gpt_cpu_2x2.json}
 STEPS=${STEPS:-30}
+KILL=${KILL:-1:0@12:backward-input}
 OUT=${OUT:-$ROOT/runs/demo}
-NPROC=${NPROC:-4}
-export WANDB_MODE=${WANDB_MODE:-offline} WANDB_DIR=${WANDB_DIR:-$OUT}
+export WANDB_MODE=${WANDB_MODE:-offline} WANDB_DIR=${WANDB_DIR:-$OUT} PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 mkdir -p "$OUT"
 cd "$ROOT"
-.venv/bin/ds-recycle launch --num_accelerators "$NPROC" --master_port 0 launch/train.py \
-  --deepspeed_config "$CONFIG" --steps "$STEPS" --metrics "$OUT/metrics.jsonl" --save-final "$OUT/final.pt"
-echo "demo: metrics in $OUT/metrics.jsonl, final parameters in $OUT/final.pt, wandb run under $OUT/wandb"
+.venv/bin/python launch/failure_demo.py --config "$CONFIG" --steps "$STEPS" --kill "$KILL" --out "$OUT"

@@ -82,6 +82,30 @@ class DataConfig:
                               "use a fraction such as 0.05")
 
 
+FaultPhase = Literal["forward", "backward-input", "backward-weight", "send", "receive", "all-reduce",
+                     "optimizer-step", "idle"]
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """One injected failure: ``{"worker": [pipeline, stage], "iteration": N, "phase": "forward"}``.
+
+    The worker dies by SIGKILL the first time it enters ``phase`` in iteration ``N`` (0-based). Only
+    ``ds-recycle launch`` keeps the other workers alive (see ``docs/failures.md``).
+    """
+
+    worker: tuple[int, int]
+    """``[pipeline, stage]`` of the worker to kill."""
+    iteration: int
+    """0-based iteration in which it dies."""
+    phase: FaultPhase = "forward"
+    """Where in the iteration: F, B, W, a send, a receive, the all-reduce, the optimizer step, or idle."""
+
+    def __post_init__(self) -> None:
+        if self.iteration < 0:
+            raise ConfigError("recycle.faults[].iteration", f"{self.iteration} is negative", "use 0 or more")
+
+
 @dataclass(frozen=True)
 class RecycleConfig:
     """The ``"recycle"`` section."""
@@ -102,6 +126,14 @@ class RecycleConfig:
     """Workers ``[pipeline, stage]`` absent from the start (the job runs with that many fewer processes)."""
     costs_file: str | None = None
     """Cost profile (per-stage F, B, W, O and comm) for the planner; null: measured costs are not used."""
+    faults: tuple[FaultConfig, ...] = ()
+    """Failures to inject (fault injection for tests and the demo); ``--kill P:S@N:PHASE`` adds more."""
+    failure_timeout_s: float = 300.0
+    """Longest any single wait (receive, send completion, all-reduce, norm) may last before the peer is
+    declared failed. Crashed peers are detected within milliseconds from the launcher's exit reports, so
+    this only bounds hangs: keep it well above the slowest legitimate wait (slow is not dead)."""
+    heartbeat_stale_s: float = 10.0
+    """During agreement, a rank whose heartbeat has not moved for this long counts as dead."""
     model: GPTConfig = field(default_factory=GPTConfig)
     """The GPT to train."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -118,6 +150,17 @@ class RecycleConfig:
             raise ConfigError("recycle.model.n_layer", f"{self.model.n_layer} blocks cannot fill {self.stages} stages",
                               f"use at least {self.stages} layers or fewer stages")
         self._check_assume_failed()
+        self._check_faults()
+
+    def _check_faults(self) -> None:
+        for i, f in enumerate(self.faults):
+            d, s = f.worker
+            if not (0 <= d < self.pipelines and 0 <= s < self.stages) or f.worker in self.assume_failed:
+                raise ConfigError(f"recycle.faults[{i}].worker", f"[{d}, {s}] is not a live worker of this "
+                                  f"{self.pipelines} x {self.stages} job", "give [pipeline, stage] of a live worker")
+        if self.failure_timeout_s <= 0 or self.heartbeat_stale_s <= 0:
+            raise ConfigError("recycle.failure_timeout_s" if self.failure_timeout_s <= 0 else
+                              "recycle.heartbeat_stale_s", "must be positive", "give a number of seconds > 0")
 
     def _check_assume_failed(self) -> None:
         seen: set[Worker] = set()

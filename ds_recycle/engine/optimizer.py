@@ -119,6 +119,23 @@ class StaggeredOptimizer:
         """True when some replica of this stage serves more than one pipeline (per-pipeline sums needed)."""
         self._bank: dict[int, list[torch.Tensor | None]] = {}
 
+    # Communication hooks: a subclass routes them through other groups (e.g. bounded, per-epoch ones).
+    def _all_reduce_stage(self, tensor: torch.Tensor) -> None:
+        """SUM ``tensor`` in place over the stage's live replicas (blocking)."""
+        dist.all_reduce(tensor, group=self.dp_group)
+
+    def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
+        """Post the broadcast of the norm from global rank ``src`` over the norm group; returns the work."""
+        return dist.broadcast(tensor, src=src, group=self.norm_group, async_op=True)
+
+    def _all_reduce_norm(self, tensor: torch.Tensor) -> Any:
+        """Post the SUM all-reduce of the norm contributions over the norm group; returns the work."""
+        return dist.all_reduce(tensor, group=self.norm_group, async_op=True)
+
+    def _wait(self, work: Any) -> None:
+        """Wait for an operation posted by the two methods above."""
+        work.wait()
+
     @contextlib.contextmanager
     def accumulating_for(self, pipeline: int) -> Iterator[None]:
         """Inside, weight gradients accumulate into ``pipeline``'s own sum (only when serving several)."""
@@ -159,7 +176,7 @@ class StaggeredOptimizer:
         parts = grads + ([loss_sum.detach().reshape(1).to(grads[0].dtype)] if loss_sum is not None else [])
         flat = torch.cat([t.reshape(-1) for t in parts])
         if self.dp_size > 1:
-            dist.all_reduce(flat, group=self.dp_group)
+            self._all_reduce_stage(flat)
         total_loss = flat[-1].clone() if loss_sum is not None else None
         flat = flat[:flat.numel() - (1 if loss_sum is not None else 0)]
         flat.mul_(1.0 / self.pipelines)
@@ -178,7 +195,7 @@ class StaggeredOptimizer:
         if loss_sum is not None:
             table[0, numel] = loss_sum.detach().reshape(())
         if self.dp_size > 1:
-            dist.all_reduce(table, group=self.dp_group)
+            self._all_reduce_stage(table)
         flat = table[0].clone()
         for d in range(1, self.pipelines):
             flat = flat + table[d]
@@ -221,20 +238,20 @@ class StaggeredOptimizer:
         if self.scope is ClipScope.FIRST_STAGE:
             contribution = local_sq.clone()
             if self._source_work is not None:  # the previous broadcast reached everyone long ago
-                self._source_work.wait()
-            work = dist.broadcast(contribution, src=self.norm_source, group=self.norm_group, async_op=True)
+                self._wait(self._source_work)
+            work = self._broadcast_norm(contribution, self.norm_source)
             if dist.get_rank() == self.norm_source:
                 self._source_work, self._source_tensor, work = work, contribution, None
         else:
             contribution = local_sq.clone() if self.representative else torch.zeros(1)
-            work = dist.all_reduce(contribution, group=self.norm_group, async_op=True)
+            work = self._all_reduce_norm(contribution)
         pending = _Pending(iteration, work, contribution, None)
         self._pending = pending
         if self.scope is ClipScope.FIRST_STAGE and self.stage == 0:
             # Every first-stage replica holds the same reduced gradients: the norm is known here already.
             pending.norm, pending.clipped = self._clip_and_step(self._coefficient(local_sq))
         elif synchronous or self._expect_clip or bool(local_sq.sqrt() >= self.max_norm):
-            work.wait()
+            self._wait(work)
             pending.work = None
             pending.norm, pending.clipped = self._clip_and_step(self._coefficient(contribution))
         else:  # eager: step now, validate in finish()
@@ -252,13 +269,13 @@ class StaggeredOptimizer:
     def close(self) -> None:
         """Wait for this rank's last norm broadcast (call when training ends)."""
         if self._source_work is not None:
-            self._source_work.wait()
+            self._wait(self._source_work)
             self._source_work = None
 
     def _validate(self, pending: _Pending) -> None:
         """Post-validation of an eager step: redo it clipped when the global norm says so."""
         assert pending.work is not None
-        pending.work.wait()
+        self._wait(pending.work)
         pending.work = None
         if pending.snapshot is None:
             return

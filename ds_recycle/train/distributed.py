@@ -38,6 +38,12 @@ def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
     # The CPU accelerator would JIT-compile a shared-memory op only inference all-reduce uses.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = "gloo" if not torch.cuda.is_available() else "nccl"
+    if os.environ.get("DS_RECYCLE_LAUNCHER") == "1" and os.environ.get("DS_RECYCLE_STORE"):
+        # After a fallback to a checkpoint the job runs again under a fresh store prefix (the old WORLD's
+        # keys are still in the launcher's store); generation 0 uses the ordinary env:// start-up.
+        from ds_recycle.resilience.checkpoint import init_generation_world
+
+        init_generation_world(timeout_s)
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     import torch.distributed as dist
 

@@ -39,6 +39,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="save a checkpoint every N iterations (0: never)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir, if there is one")
+    p.add_argument("--kill", action="append", default=[], metavar="P:S@N:PHASE",
+                   help="inject a failure: SIGKILL worker (pipeline P, stage S) when it enters PHASE of iteration N "
+                        "(forward, backward-input, backward-weight, send, receive, all-reduce, optimizer-step, idle); "
+                        "repeatable; adds to recycle.faults")
     p.add_argument("--vanilla", action="store_true", help="run DeepSpeed's stock PipelineEngine (the baseline)")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                    help="wandb mode (default: $WANDB_MODE, else offline)")
@@ -52,6 +56,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--steps {args.steps}: train at least one iteration")
     if (args.checkpoint_interval or args.resume) and not args.checkpoint_dir:
         p.error("--checkpoint-interval/--resume need --checkpoint-dir DIR")
+    from ds_recycle.resilience.faults import parse_fault
+
+    for text in args.kill:
+        try:
+            parse_fault(text)
+        except ValueError as e:
+            p.error(f"--kill: {e}")
     if args.checkpoint_interval < 0:
         p.error(f"--checkpoint-interval {args.checkpoint_interval}: use 0 (never) or a positive number")
     return args
@@ -65,11 +76,27 @@ def _configure_logging(rank: int) -> None:
 
 def _load(args: argparse.Namespace) -> TrainConfig:
     cfg = load_config(args.deepspeed_config)
+    if args.kill:
+        cfg = _with_kills(cfg, args.kill)
     if args.vanilla and cfg.recycle.enabled:
         from dataclasses import replace
 
         cfg = replace(cfg, recycle=replace(cfg.recycle, enabled=False))
     return cfg
+
+
+def _with_kills(cfg: TrainConfig, kills: Sequence[str]) -> TrainConfig:
+    """``cfg`` with the ``--kill`` faults appended to ``recycle.faults`` (checked like config entries)."""
+    from dataclasses import replace
+
+    from ds_recycle.config import FaultConfig
+    from ds_recycle.resilience.faults import parse_fault
+
+    added = []
+    for text in kills:
+        f = parse_fault(text)
+        added.append(FaultConfig((f.pipeline, f.stage), f.iteration, f.phase.value))  # type: ignore[arg-type]
+    return replace(cfg, recycle=replace(cfg.recycle, faults=cfg.recycle.faults + tuple(added)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,6 +173,12 @@ def _make_runner(cfg: TrainConfig, world: "object") -> "object":
         from ds_recycle.train.vanilla import VanillaRunner
 
         return VanillaRunner(cfg, world)  # type: ignore[arg-type]
+    if getattr(world, "resilient", False):
+        from ds_recycle.resilience.runner import ResilientRunner
+
+        return ResilientRunner(cfg, world)
+    if cfg.recycle.faults:
+        logger.warning("recycle.faults is set but this launcher does not keep survivors alive: use ds-recycle launch")
     from ds_recycle.engine.runner import RecycleRunner
 
     return RecycleRunner(cfg, world)

@@ -56,7 +56,8 @@ class MetricsWriter:
         rec = {"iter": iteration, "loss": result.loss, "iter_time_s": iter_time_s,
                "tokens_per_s": self.tokens_per_iteration / iter_time_s if iter_time_s > 0 else None,
                "live_workers": result.live_workers, "rerouted_microbatches": result.rerouted_microbatches,
-               "events": list(result.events), "time_s": time.monotonic() - self.start}
+               "events": list(result.events), "time_s": time.monotonic() - self.start,
+               "unix_time": time.time()}
         if self._file:
             self._file.write(json.dumps(rec) + "\n")
             self._file.flush()

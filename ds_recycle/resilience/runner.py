@@ -1,0 +1,320 @@
+"""``ResilientRunner``: the ReCycle engine surviving worker failures at run time.
+
+Under ``ds-recycle launch`` (whose store outlives every worker) ``launch/train.py`` builds this runner.
+It is a :class:`~ds_recycle.engine.runner.RecycleRunner` whose transfers and collectives run on
+per-epoch gloo groups with bounded waits (:mod:`ds_recycle.resilience.transport`). On a
+:class:`~ds_recycle.resilience.comm.PeerFailure` every survivor:
+
+1. announces the iteration it holds a snapshot for and agrees on the live members (store, first writer wins);
+2. builds the next epoch's groups among the members and rebuilds the grid the engine reads;
+3. takes the plan for the new failure set from a :class:`~ds_recycle.plan.PlanCache`;
+4. restores the snapshot of the earliest unfinished iteration among the members and redoes it (see
+   :mod:`ds_recycle.resilience.snapshot`): *redo*, not salvage.
+
+Each step is an event (``kind``, ``time_s``, details) in the iteration's :class:`IterationResult`, and the
+time from the kill to the first full iteration after it is recorded with its breakdown.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ds_recycle.config import TrainConfig
+from ds_recycle.engine import instructions as ins
+from ds_recycle.engine.engine import _served_pipelines
+from ds_recycle.engine.runner import RecycleRunner
+from ds_recycle.plan import CostModel, PlanCache, StageLostError
+from ds_recycle.resilience import checkpoint as ckpt
+from ds_recycle.resilience.comm import PeerFailure
+from ds_recycle.resilience.faults import FaultInjector, FaultSpec, Phase
+from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
+from ds_recycle.resilience.membership import agree_members
+from ds_recycle.resilience.regroup import EpochGrid
+from ds_recycle.resilience.snapshot import SnapshotRing
+from ds_recycle.resilience.store import StoreKeys, connect_store
+from ds_recycle.resilience.transport import BoundedChannel, BoundedOptimizer, EpochComm
+from ds_recycle.runtime.grid import WorkerMap
+from ds_recycle.train.runner import IterationResult
+from ds_recycle.train.state import _layer_order
+
+__all__ = ["ResilientRunner", "faults_of"]
+
+logger = logging.getLogger(__name__)
+
+_PHASES: dict[type, Phase] = {
+    ins.ForwardMicroBatch: Phase.FORWARD, ins.BackwardInput: Phase.BACKWARD_INPUT,
+    ins.BackwardWeight: Phase.BACKWARD_WEIGHT, ins.SendActivationTo: Phase.SEND, ins.SendGradTo: Phase.SEND,
+    ins.RecvActivationFrom: Phase.RECEIVE, ins.RecvGradFrom: Phase.RECEIVE,
+    ins.StaggeredOptimizerStep: Phase.ALL_REDUCE,
+}
+
+
+def faults_of(cfg: TrainConfig) -> list[FaultSpec]:
+    """The config's ``recycle.faults`` as fault specs."""
+    return [FaultSpec(f.worker[0], f.worker[1], f.iteration, Phase(f.phase)) for f in cfg.recycle.faults]
+
+
+class ResilientRunner(RecycleRunner):
+    """A :class:`RecycleRunner` that survives the loss of workers (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, world: Any) -> None:
+        super().__init__(cfg, world)
+        rc = cfg.recycle
+        self.cfg = cfg
+        self.rank = world.rank
+        self.store = connect_store(timeout_s=rc.failure_timeout_s)
+        self.generation = int(self.store.add(ckpt.GENERATION_KEY, 0))
+        """How many times the job fell back to a checkpoint; names this incarnation's store keys."""
+        self.keys = StoreKeys(root=f"ds_recycle/gen{self.generation}") if self.generation else StoreKeys()
+        self.heartbeat = Heartbeat(lambda: connect_store(timeout_s=rc.failure_timeout_s), self.rank,
+                                   keys=self.keys).start()
+        self.liveness = Liveness(self.store, rc.heartbeat_stale_s, keys=self.keys)
+        costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
+        self.plans = PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, costs, schedule=rc.schedule,
+                               optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
+        self.epoch = 0
+        self.members = sorted(self.workers.ranks.values())
+        self.snapshots = SnapshotRing()
+        self.retired: list[Any] = []
+        """Groups and channels of past epochs: kept referenced, never destroyed (peers may be blocked in them)."""
+        self.events: list[dict[str, Any]] = []
+        self._recovery: dict[str, Any] | None = None
+        self._target = 0
+        restarted = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")) > 0
+        # Faults fire in a worker's first life only: a restarted worker must not die again at the same spot.
+        self.injector = FaultInjector([] if restarted else faults_of(cfg), *self.engine.worker)
+        self._install(self._build_comm(""), self.workers, self.plan)
+        self._wrap_handlers()
+
+    # ------------------------------------------------------------------ groups and engine state
+    def _build_comm(self, tag: str) -> EpochComm:
+        stage_members = self.workers.stage_ranks(self.engine.stage_id)
+        try:
+            return EpochComm.build(self.store, self.epoch, self.members, stage_members, self.rank,
+                                   self.cfg.recycle.failure_timeout_s, f"g{self.generation}{tag}")
+        except RuntimeError as e:  # a member died while the groups were being connected
+            raise PeerFailure(f"building the groups of epoch {self.epoch}: {e}") from e
+
+    def _install(self, comm: EpochComm, workers: WorkerMap, plan: Any) -> None:
+        """Point the engine at ``comm``'s groups, ``workers`` and ``plan`` (every cached reference)."""
+        eng = self.engine
+        self.retired.append((eng.channel, eng.stepper))
+        self.comm, self.workers, self.plan = comm, workers, plan
+        grid = EpochGrid(workers, self.rank, comm)
+        eng.grid = eng.mpu = eng.module._grid = grid
+        eng.workers, eng.plan = workers, plan
+        eng._schedules = [eng._make_schedule(k) for k in range(plan.iterations)]
+        eng.channel = BoundedChannel(comm, workers.pipelines, eng.micro_batches)
+        served, rerouted = _served_pipelines(plan, eng.worker)
+        old = eng.stepper
+        eng.stepper = BoundedOptimizer(
+            eng.module, eng.optimizer, stage=eng.stage_id, pipelines=workers.pipelines, dp_group=None,
+            dp_ranks=workers.stage_ranks(eng.stage_id), norm_group=None, max_norm=old.max_norm, scope=old.scope,
+            lr_scheduler=eng.lr_scheduler, served=served, stage_rerouted=rerouted,
+            norm_source=min(workers.stage_ranks(0))).attach(comm, self._at_step)
+        eng.stepper.clipped_steps, eng.stepper.redone_steps = old.clipped_steps, old.redone_steps
+        eng.stepper._expect_clip = getattr(old, "_expect_clip", False)
+        eng.reporter_rank = min(workers.stage_ranks(workers.stages - 1))
+        eng.slots, eng._loss_sum = {}, None
+        self.rerouted = sum(plan.worker_of(s, (d, i))[0] != d for s in range(plan.stages)
+                            for d in range(plan.pipelines) for i in range(plan.microbatches))
+
+    # ------------------------------------------------------------------ fault injection
+    def _fire(self, phase: Phase) -> None:
+        it = self.engine.iteration
+        if any(f.iteration == it and f.phase is phase for f in self.injector.pending):
+            self.store.set(self._fault_key(self.rank), repr(time.time()))
+            self.injector.reached(it, phase)
+
+    def _fault_key(self, rank: int) -> str:
+        return f"{self.keys.root}/fault/{rank}"
+
+    def _at_step(self) -> None:
+        self._fire(Phase.OPTIMIZER_STEP)
+
+    def _wrap_handlers(self) -> None:
+        """Before every instruction: look for a member's exit (one store read), and fire due faults."""
+        table = dict(self.engine._INSTRUCTION_MAP)
+        for kind, handler in table.items():
+            table[kind] = self._wrapped(handler, _PHASES.get(kind))
+        self.engine._INSTRUCTION_MAP = table  # instance attribute: _exec_schedule looks it up on self
+
+    def _wrapped(self, handler: Any, phase: Phase | None) -> Any:
+        def run(engine: Any, **kwargs: Any) -> Any:
+            # A survivor busy computing learns of a failure at its next instruction, not at its next wait.
+            if self.comm.probe.failed():
+                raise PeerFailure("a member exited (seen between instructions)")
+            if phase is not None:
+                self._fire(phase)
+            return handler(engine, **kwargs)
+        return run
+
+    # ------------------------------------------------------------------ training
+    def train_iteration(self, iteration: int) -> IterationResult:
+        self._target = iteration + 1
+        loss = self._advance(self._target)
+        events, self.events = tuple(self.events), []
+        return IterationResult(loss=None if loss is None else float(loss), live_workers=len(self.members),
+                               rerouted_microbatches=self.rerouted, events=events)
+
+    def _advance(self, target: int) -> Any:
+        """Run engine iterations until ``target`` iterations are done, recovering from failures on the way."""
+        loss = None
+        while self.engine.iteration < target:
+            try:
+                if self.comm.probe.failed():
+                    raise PeerFailure("a member exited (seen at the iteration boundary)")
+                self._fire(Phase.IDLE)
+                self.engine._exec_finish_optimizer_step()  # the previous step is final before the snapshot
+                self.snapshots.take(self.engine)
+                loss = self.engine.train_batch()
+                self._note_recovered()
+            except PeerFailure as failure:
+                self._recover(failure)
+        return loss
+
+    def _note_recovered(self) -> None:
+        rec, self._recovery = self._recovery, None
+        if rec is None:
+            return
+        now = time.time()
+        rec["redo_s"] = now - rec.pop("_restored_at")
+        start = rec.get("killed_at") or rec["detected_at"]
+        self._event("recovered", failure_to_full_iteration_s=now - start, **rec)
+
+    def _event(self, kind: str, **details: Any) -> None:
+        event = {"kind": kind, "time_s": time.time(), **details}
+        self.events.append(event)
+        logger.warning("event %s", event)
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, failure: PeerFailure) -> None:
+        detected = time.time()
+        rc = self.cfg.recycle
+        self.epoch += 1
+        self.store.set(f"{self.keys.root}/epoch/{self.epoch}/snap/{self.rank}", str(self.snapshots.latest))
+        members = agree_members(self.store, self.epoch, self.rank, self.members, self.liveness,
+                                timeout_s=rc.failure_timeout_s, keys=self.keys)
+        agreed = time.time()
+        redo = min(int(self.store.get(f"{self.keys.root}/epoch/{self.epoch}/snap/{q}")) for q in members)
+        dead = sorted(set(self.members) - set(members))
+        killed = [float(self.store.get(self._fault_key(q))) for q in dead if self.store.check([self._fault_key(q)])]
+        self._event("failure", lost_ranks=dead, lost_workers=[list(self.workers.worker_of_rank(q)) for q in dead],
+                    reason=str(failure), epoch=self.epoch)
+        self._event("agreement", members=members, epoch=self.epoch, redo_iteration=redo)
+        workers = WorkerMap(self.workers.stages, self.workers.pipelines,
+                            {w: r for w, r in self.workers.ranks.items() if r in members})
+        self.members = members
+        self.workers = workers
+        comm = self._build_comm("")
+        regrouped = time.time()
+        try:
+            plan = self.plans.get(workers.absent())
+        except StageLostError as e:
+            self._fall_back(e)
+        planned = time.time()
+        self._install(comm, workers, plan)
+        self._event("plan_switch", absent=sorted(list(w) for w in workers.absent()), rerouted=self.rerouted)
+        self.snapshots.restore(redo, self.engine)
+        restored = time.time()
+        prev = self._recovery or {}
+        self._recovery = {"killed_at": min(killed) if killed else prev.get("killed_at"), "detected_at": detected,
+                          "detection_s": detected - min(killed) if killed else None, "agreement_s": agreed - detected,
+                          "regroup_s": regrouped - agreed, "plan_lookup_s": planned - regrouped,
+                          "restore_s": restored - planned, "redo_iteration": redo, "_restored_at": restored}
+        logger.warning("recovered from the loss of ranks %s: members %s, redoing iteration %d", dead, members, redo)
+
+    def _fall_back(self, error: StageLostError) -> None:
+        """Every worker of a stage is gone: restart the whole job from the latest checkpoint (never returns)."""
+        self._event("fallback", reason=str(error), generation=self.generation + 1)
+        logger.error("cannot re-route (%s): falling back to the latest checkpoint; this worker leaves as lost "
+                     "(exit %d) and the launcher restarts every rank (--restart_failed_after)", error,
+                     ckpt.LOST_EXIT_CODE)
+        self.store.compare_set(ckpt.GENERATION_KEY, str(self.generation), str(self.generation + 1))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(ckpt.LOST_EXIT_CODE)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _with_recovery(self, what: Any) -> Any:
+        """Run ``what()``; on a failure recover, catch up to the loop's iteration and run it again."""
+        while True:
+            try:
+                return what()
+            except PeerFailure as failure:
+                self._recover(failure)
+                self._advance(self._target)
+
+    def save_checkpoint(self, directory: str, next_iteration: int) -> None:
+        """Each stage's first live replica writes its state; ``latest`` is written once all are complete."""
+        def save() -> None:
+            self.engine._exec_finish_optimizer_step()  # the saved step must be final (post-validation)
+            if self.rank == self.workers.stage_ranks(self.engine.stage_id)[0]:
+                ckpt.save_stage(self.engine, directory, next_iteration)
+            self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "checkpoint barrier")
+            if self.rank == min(self.members):
+                ckpt.write_latest(directory, next_iteration)
+            self._event("checkpoint", next_iteration=next_iteration, directory=directory)
+        self._with_recovery(save)
+
+    def load_checkpoint(self, directory: str) -> int | None:
+        start = ckpt.load_stage(self.engine, directory)
+        if start is not None:
+            self._target = start
+            self.snapshots = SnapshotRing()
+            if self.generation:
+                self._event("resumed", iteration=start, generation=self.generation, directory=directory)
+        return start
+
+    # ------------------------------------------------------------------ end of training
+    def _finish(self) -> None:
+        while not self._finished:
+            try:
+                self.engine.finish()
+                self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "end-of-training barrier")
+                self._finished = True
+                st = self.engine.stepper
+                logger.info("optimizer steps: %d, clipped %d, redone after post-validation %d",
+                            self.engine.global_steps, st.clipped_steps, st.redone_steps)
+            except PeerFailure as failure:
+                self._recover(failure)
+                self._advance(self._target)
+
+    def gather_final_state(self) -> dict[str, torch.Tensor] | None:
+        """Every stage's parameters on the reporter, through the store (valid whatever groups died)."""
+        self._finish()
+        stage = self.engine.stage_id
+        key = f"{self.keys.root}/final/{self.epoch}/stage/"
+        if self.rank == self.workers.stage_ranks(stage)[0]:
+            buf = io.BytesIO()
+            torch.save({k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}, buf)
+            self.store.set(key + str(stage), buf.getvalue())
+        if self.rank != self.engine.reporter_rank:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for s in range(self.workers.stages):
+            merged.update(torch.load(io.BytesIO(self.store.get(key + str(s))), weights_only=True))
+        return dict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
+
+    def is_reporter(self) -> bool:
+        return self.rank == self.engine.reporter_rank
+
+    def close(self) -> None:
+        self._finish()
+        self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "closing barrier")
+        self.heartbeat.stop()
+        if self.epoch == 0:
+            super().close()
+            return
+        # The WORLD group still references a dead peer: tearing it down could abort; leave at once.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

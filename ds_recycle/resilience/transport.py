@@ -1,0 +1,156 @@
+"""The engine's transfers and collectives on per-epoch groups, every wait bounded.
+
+:class:`EpochComm` holds the gloo groups of one membership epoch (every member for activations and
+gradients, every member for the clipping norm, and this rank's stage replicas for the gradient
+all-reduce), built over the launcher's store with :class:`~ds_recycle.resilience.comm.EpochGroup`.
+:class:`BoundedChannel` and :class:`BoundedOptimizer` are the engine's
+:class:`~ds_recycle.engine.p2p.PeerChannel` and :class:`~ds_recycle.engine.optimizer.StaggeredOptimizer`
+with their communication moved onto those groups: the tag scheme and the arithmetic are unchanged, and
+each wait is :func:`~ds_recycle.resilience.comm.bounded_wait`, which turns a dead peer into a
+:class:`~ds_recycle.resilience.comm.PeerFailure` within milliseconds of the launcher's exit report.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ds_recycle.engine.optimizer import StaggeredOptimizer
+from ds_recycle.engine.p2p import Channel, PeerChannel
+from ds_recycle.resilience.comm import EpochGroup, FailureProbe, bounded_wait
+
+__all__ = ["BoundedChannel", "BoundedOptimizer", "EpochComm", "ThreadedWork"]
+
+logger = logging.getLogger(__name__)
+
+
+class ThreadedWork:
+    """A gloo send or receive made pollable: a daemon thread blocks in its ``wait()``.
+
+    Gloo's point-to-point works report ``is_completed() == False`` until someone calls ``wait()``, and a
+    ``wait(timeout)`` that expires closes the connection, so they cannot be polled directly. If the peer is
+    stuck for good, the thread stays blocked inside the abandoned group until the group's own timeout.
+    """
+
+    def __init__(self, work: Any) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(work,), name="gloo-p2p-wait", daemon=True).start()
+
+    def _run(self, work: Any) -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # reported to the waiting thread by wait()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(str(self._error)) from self._error
+        return True
+
+
+@dataclass
+class EpochComm:
+    """The groups of one membership epoch for one rank, and how long any single wait may last."""
+
+    epoch: int
+    members: list[int]
+    p2p: EpochGroup
+    norm: EpochGroup
+    stage: EpochGroup
+    probe: FailureProbe
+    timeout_s: float
+
+    @classmethod
+    def build(cls, store: dist.Store, epoch: int, members: list[int], stage_members: list[int], rank: int,
+              timeout_s: float, tag: str = "") -> EpochComm:
+        """Build the groups collectively (every member calls it with the same ``epoch``, ``members``, ``tag``).
+
+        ``tag`` makes the store prefixes unique across rebuilds of the same epoch number (e.g. a rejoin).
+        """
+        prefix = f"e{epoch}{tag}"
+        stage_name = f"{prefix}/stage-" + "-".join(str(r) for r in sorted(stage_members))
+        p2p = EpochGroup(store, f"{prefix}/p2p", members, rank, timeout_s)
+        norm = EpochGroup(store, f"{prefix}/norm", members, rank, timeout_s)
+        stage = EpochGroup(store, stage_name, stage_members, rank, timeout_s)
+        return cls(epoch, sorted(members), p2p, norm, stage, FailureProbe(store).arm(members), timeout_s)
+
+    def wait(self, work: Any, what: str) -> None:
+        bounded_wait(work, self.probe, self.timeout_s, f"epoch {self.epoch}: {what}")
+
+    def broadcast(self, group: EpochGroup, tensor: torch.Tensor, src: int) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = group.index[src]
+        opts.rootTensor = 0
+        return group.pg.broadcast([tensor], opts)
+
+
+class BoundedChannel(PeerChannel):
+    """:class:`PeerChannel` on an epoch's p2p group; receives and send completions are bounded waits."""
+
+    def __init__(self, comm: EpochComm, pipelines: int, microbatches: int,
+                 ) -> None:
+        super().__init__(None, pipelines, microbatches)
+        self.comm = comm
+
+    def _post(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self._pending.append((self.comm.p2p.send(tensor, peer, tag), tensor))
+
+    def _recv(self, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        self.comm.wait(ThreadedWork(self.comm.p2p.recv(buffer, peer, tag)), f"receive tag {tag} from rank {peer}")
+        return buffer
+
+    def recv_activation(self, peer: int, iteration: int, mb: tuple[int, int]) -> torch.Tensor:
+        if peer not in self._meta_recv:
+            self._meta_recv[peer] = self._parse_meta(self._recv(torch.zeros(8, dtype=torch.int64), peer, 0), peer)
+        shape, dtype = self._meta_recv[peer]
+        return self.recv_like(torch.empty(shape, dtype=dtype), peer, Channel.ACTIVATION, iteration, mb)
+
+    def recv_like(self, buffer: torch.Tensor, peer: int, channel: Channel, iteration: int,
+                  mb: tuple[int, int]) -> torch.Tensor:
+        return self._recv(buffer, peer, self._tag(channel, iteration, mb))
+
+    def wait_sends(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self.comm.wait(ThreadedWork(work), "send completion")
+
+
+class BoundedOptimizer(StaggeredOptimizer):
+    """:class:`StaggeredOptimizer` whose all-reduce and norm exchange run on an epoch's groups, bounded."""
+
+    comm: EpochComm
+    after_reduce: Callable[[], None] | None = None
+    """Called after the stage all-reduce, as the optimizer step starts (fault injection)."""
+
+    def attach(self, comm: EpochComm, after_reduce: Callable[[], None] | None = None) -> BoundedOptimizer:
+        self.comm = comm
+        self.after_reduce = after_reduce
+        return self
+
+    def _all_reduce_stage(self, tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.stage.all_reduce_sum(tensor), f"stage {self.stage} gradient all-reduce")
+
+    def step(self, iteration: int, synchronous: bool) -> None:
+        if self.after_reduce is not None:
+            self.after_reduce()
+        super().step(iteration, synchronous)
+
+    def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
+        return self.comm.broadcast(self.comm.norm, tensor, src)
+
+    def _all_reduce_norm(self, tensor: torch.Tensor) -> Any:
+        return self.comm.norm.all_reduce_sum(tensor)
+
+    def _wait(self, work: Any) -> None:
+        self.comm.wait(work, "clipping norm exchange")
