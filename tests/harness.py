@@ -46,3 +46,27 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -
         except ProcessLookupError:
             pass
     return Job(proc.returncode, out)
+
+
+def tiny_config(tmp: Path, name: str, stages: int, pipelines: int = 2, **recycle: Any) -> Path:
+    """A small GPT job config (seq 32, width 64, one block a stage, Adam, clipping on) written to ``tmp``.
+
+    ``recycle`` overrides or adds keys of the ``"recycle"`` section; ``None`` values are left out.
+    """
+    section: dict[str, Any] = {"enabled": True, "stages": stages, "pipelines": pipelines, "schedule": "adaptive",
+                               "optimizer_step": "staggered",
+                               "model": {"vocab_size": 256, "seq_len": 32, "n_layer": stages, "d_model": 64,
+                                         "n_head": 4}}
+    section.update({k: v for k, v in recycle.items() if v is not None})
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                                "gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {"lr": 3e-3}},
+                                "recycle": section}))
+    return path
+
+
+def assert_same_model(a: Path, b: Path, atol: float = 0.0) -> None:
+    """``ds-recycle compare a b --rtol 1e-5`` says MATCH."""
+    job = run([sys.executable, "-m", "ds_recycle", "compare", str(a), str(b), "--rtol", "1e-5", "--atol", str(atol)],
+              timeout=60)
+    assert job.returncode == 0 and "MATCH" in job.output, job.output[-3000:]

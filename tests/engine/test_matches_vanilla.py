@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tests.harness import launch, run  # noqa: E402
+from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
 
 STEPS = "20"
 pytestmark = [pytest.mark.multiprocess]
@@ -23,18 +23,8 @@ pytestmark = [pytest.mark.multiprocess]
 
 def _config(tmp: Path, name: str, stages: int, schedule: str = "1f1b", absent: list | None = None,
             enabled: bool = True, costs_file: str | None = None, optimizer_step: str = "staggered") -> Path:
-    recycle: dict = {"enabled": enabled, "stages": stages, "pipelines": 2, "schedule": schedule,
-                     "optimizer_step": optimizer_step,
-                     "model": {"vocab_size": 256, "seq_len": 32, "n_layer": stages, "d_model": 64, "n_head": 4}}
-    if absent:
-        recycle["assume_failed"] = absent
-    if costs_file:
-        recycle["costs_file"] = costs_file
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
-                                "gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {"lr": 3e-3}},
-                                "recycle": recycle}))
-    return path
+    return tiny_config(tmp, name, stages, enabled=enabled, schedule=schedule, optimizer_step=optimizer_step,
+                       assume_failed=absent or None, costs_file=costs_file)
 
 
 def _train(tmp: Path, config: Path, nproc: int, vanilla: bool = False) -> tuple[Path, str]:
@@ -43,11 +33,6 @@ def _train(tmp: Path, config: Path, nproc: int, vanilla: bool = False) -> tuple[
     job = launch(nproc, args + (["--vanilla"] if vanilla else []), timeout=150)
     assert job.returncode == 0, job.output[-4000:]
     return out, job.output
-
-
-def _assert_same(a: Path, b: Path) -> None:
-    job = run([sys.executable, "-m", "ds_recycle", "compare", str(a), str(b), "--rtol", "1e-5"], timeout=60)
-    assert job.returncode == 0 and "MATCH" in job.output, job.output[-3000:]
 
 
 def _clipped_and_redone(output: str) -> tuple[int, int]:
@@ -61,7 +46,7 @@ def test_2x2_vanilla_equals_1f1b_and_zero_bubble_plans(tmp_path: Path) -> None:
     vanilla, _ = _train(tmp_path, _config(tmp_path, "vanilla", 2, enabled=False), 4, vanilla=True)
     for schedule, step in (("1f1b", "synchronous"), ("zb-h1", "staggered")):
         mine, output = _train(tmp_path, _config(tmp_path, schedule, 2, schedule, optimizer_step=step), 4)
-        _assert_same(mine, vanilla)
+        assert_same_model(mine, vanilla)
         clipped, redone = _clipped_and_redone(output)
         assert clipped >= 1, "clipping was not exercised"
         assert (redone >= 1) == (step == "staggered"), "post-validation redo ran (only) where expected"
@@ -73,7 +58,7 @@ def test_2x2_absent_workers_equal_vanilla(tmp_path: Path) -> None:
     vanilla, _ = _train(tmp_path, _config(tmp_path, "vanilla", 2, enabled=False), 4, vanilla=True)
     for name, absent in (("first", [[1, 0]]), ("last", [[0, 1]]), ("two", [[1, 0], [0, 1]])):
         mine, output = _train(tmp_path, _config(tmp_path, name, 2, "adaptive", absent), 4 - len(absent))
-        _assert_same(mine, vanilla)
+        assert_same_model(mine, vanilla)
         assert re.search(r"rerouted [1-9]", output), "no micro-batch was re-routed"
 
 
@@ -81,7 +66,7 @@ def test_2x2_absent_workers_equal_vanilla(tmp_path: Path) -> None:
 def test_3_stages_absent_middle_equals_vanilla(tmp_path: Path) -> None:
     vanilla, _ = _train(tmp_path, _config(tmp_path, "vanilla3", 3, enabled=False), 6, vanilla=True)
     mine, _ = _train(tmp_path, _config(tmp_path, "middle", 3, "zb-h1", [[1, 1]]), 5)
-    _assert_same(mine, vanilla)
+    assert_same_model(mine, vanilla)
 
 
 @pytest.mark.timeout(120)

@@ -5,7 +5,6 @@ final parameters compared with ``ds-recycle compare``. Each run costs ~10-20 s o
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -14,23 +13,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tests.harness import launch, run  # noqa: E402
+from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
 
 STEPS = 7
 pytestmark = [pytest.mark.multiprocess]
 
 
 def _config(tmp: Path, name: str, stages: int, pipelines: int, faults: list | None = None) -> Path:
-    recycle: dict = {"enabled": True, "stages": stages, "pipelines": pipelines, "schedule": "adaptive",
-                     "optimizer_step": "staggered", "failure_timeout_s": 60.0,
-                     "model": {"vocab_size": 256, "seq_len": 32, "n_layer": stages, "d_model": 64, "n_head": 4}}
-    if faults:
-        recycle["faults"] = faults
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
-                                "gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {"lr": 3e-3}},
-                                "recycle": recycle}))
-    return path
+    return tiny_config(tmp, name, stages, pipelines, failure_timeout_s=60.0, faults=faults)
 
 
 def _train(tmp: Path, config: Path, nproc: int, name: str, kills: list[str] = ()) -> tuple[Path, str, list[dict]]:
@@ -43,12 +33,6 @@ def _train(tmp: Path, config: Path, nproc: int, name: str, kills: list[str] = ()
     assert job.returncode == 0, job.output[-5000:]
     records = job.metrics(metrics) if metrics.exists() else []
     return out, job.output, records
-
-
-def _assert_same(a: Path, b: Path, atol: float = 0.0) -> None:
-    job = run([sys.executable, "-m", "ds_recycle", "compare", str(a), str(b), "--rtol", "1e-5", "--atol", str(atol)],
-              timeout=60)
-    assert job.returncode == 0 and "MATCH" in job.output, job.output[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +54,7 @@ KILLS_2X2 = [("1:0@2:forward", 1), ("1:0@3:backward-weight", 1), ("1:0@2:all-red
 def test_2x2_one_worker_killed_same_model(tmp_path: Path, baseline_2x2: Path, kill: str, rank: int) -> None:
     out, output, records = _train(tmp_path, _config(tmp_path, "k", 2, 2), 4, "k", [kill])
     assert f"rank {rank} (pid" in output and "lost: signal SIGKILL" in output, output[-3000:]
-    _assert_same(out, baseline_2x2)
+    assert_same_model(out, baseline_2x2)
     if records:  # the reporter survived: the events are in its metrics file
         kinds = [e["kind"] for r in records for e in r["events"]]
         assert kinds[:4] == ["failure", "agreement", "plan_switch", "recovered"], kinds
@@ -84,7 +68,7 @@ def test_3_stages_middle_stage_killed_same_model(tmp_path: Path) -> None:
     base, _, _ = _train(tmp_path, _config(tmp_path, "b3", 3, 2), 6, "b3")
     out, output, _ = _train(tmp_path, _config(tmp_path, "k3", 3, 2), 6, "k3", ["1:1@3:backward-input"])
     assert "lost: signal SIGKILL" in output
-    _assert_same(out, base)
+    assert_same_model(out, base)
 
 
 # With 3 pipelines the engine itself matches the failure-free run only up to summation order: gloo adds the
@@ -101,12 +85,12 @@ def test_3_pipelines_two_failures_same_stage_in_turn_and_at_once(tmp_path: Path)
     cfg = _config(tmp_path, "k", 2, 3, faults=[{"worker": [2, 0], "iteration": 4, "phase": "send"}])
     out, output, records = _train(tmp_path, cfg, 6, "turn", ["1:0@2:forward"])
     assert output.count("lost: signal SIGKILL") >= 2
-    _assert_same(out, base, D3_ATOL)
+    assert_same_model(out, base, D3_ATOL)
     assert records[-1]["live_workers"] == 4
     assert [e["kind"] for r in records for e in r["events"]].count("recovered") == 2
     out, output, _ = _train(tmp_path, _config(tmp_path, "k2", 2, 3), 6, "once", ["1:0@3:forward", "2:0@3:forward"])
     assert output.count("lost: signal SIGKILL") >= 2
-    _assert_same(out, base, D3_ATOL)
+    assert_same_model(out, base, D3_ATOL)
 
 
 @pytest.mark.timeout(150)
@@ -114,7 +98,7 @@ def test_2x2_two_failures_in_different_stages(tmp_path: Path, baseline_2x2: Path
     out, output, records = _train(tmp_path, _config(tmp_path, "k", 2, 2), 4, "k",
                                   ["1:0@2:backward-input", "0:1@4:receive"])
     assert output.count("lost: signal SIGKILL") >= 2
-    _assert_same(out, baseline_2x2)
+    assert_same_model(out, baseline_2x2)
 
 
 @pytest.mark.timeout(200)
@@ -132,4 +116,4 @@ def test_whole_stage_lost_falls_back_to_the_checkpoint(tmp_path: Path, baseline_
     assert (fell_back, left_as_lost, restarted_ok) == (True, 2, 4), job.output[-3000:]
     records = job.metrics(metrics)  # the restarted reporter's file: from the checkpoint on
     assert records[0]["iter"] == 4 and records[0]["events"][0]["kind"] == "resumed"
-    _assert_same(out, baseline_2x2)
+    assert_same_model(out, baseline_2x2)
