@@ -1,8 +1,15 @@
-"""A worker for test_comm.py: all-reduces in a loop on an epoch group; on PeerFailure, agrees and goes on."""
+"""A worker for test_comm.py: all-reduces in a loop on an epoch group; on PeerFailure, agrees and goes on.
+
+A failure can interrupt an all-reduce that some members completed and others did not, so after each
+agreement the members also agree on how many all-reduces count as done (the smallest count), as the
+engine does with its iteration snapshots; and nobody leaves before every member has finished.
+"""
 from __future__ import annotations
 
+import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 
@@ -28,6 +35,10 @@ while done < iters:
         retired.append(group)  # never destroyed under the feet of members still inside it
         group = EpochGroup(store, f"e{epoch}", members, rank, timeout_s=30)
         probe.arm(members)
+        store.set(f"test/e{epoch}/done/{rank}", str(done))
+        keys = [f"test/e{epoch}/done/{r}" for r in members]
+        store.wait(keys, timedelta(seconds=20))
+        done = min(int(store.get(k)) for k in keys)
         print(f"rank {rank} recovered members={members} in {time.monotonic() - t0:.3f}s after: {e}", flush=True)
         continue
     assert t.item() == len(members), (t.item(), members)
@@ -35,4 +46,7 @@ while done < iters:
     if done == 1:
         store.set(f"test/ready/{rank}", "1")
     time.sleep(0.002)
+store.set(f"test/finished/{rank}", "1")
+store.wait([f"test/finished/{r}" for r in members], timedelta(seconds=20))
 print(f"rank {rank} done members={members}", flush=True)
+os._exit(0)  # tearing down groups that still reference the dead peer can abort inside gloo
