@@ -38,7 +38,7 @@ from ds_recycle.engine.p2p import Channel, PeerChannel
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, check_plan_for_job
 from ds_recycle.runtime.grid import SurvivorGrid
 
-__all__ = ["MicroBatchSourceLike", "RecyclePipelineEngine"]
+__all__ = ["MicroBatchSourceLike", "RecyclePipelineEngine", "served_pipelines"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class _Slot:
     weight_work: WeightGradWork | None = None
 
 
-def _served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset[int], bool]:
+def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset[int], bool]:
     """Owner pipelines of ``worker``'s micro-batches, and whether any replica of its stage serves several."""
     stage = worker[1]
     served: dict[tuple[int, int], set[int]] = {}
@@ -104,7 +104,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self.synchronous = plan.optimizer == "synchronous"
         self._schedules = [self._make_schedule(k) for k in range(plan.iterations)]
         self.capture = OwnerCapture(self.module)
-        served, stage_rerouted = _served_pipelines(plan, self.worker)
+        served, stage_rerouted = served_pipelines(plan, self.worker)
         self.channel = PeerChannel(self.grid.p2p_group, self.workers.pipelines, self.micro_batches)
         self.stepper = StaggeredOptimizer(
             self.module, self.optimizer, stage=self.stage_id, pipelines=self.workers.pipelines,

@@ -27,7 +27,7 @@ import torch
 
 from ds_recycle.config import TrainConfig
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.engine import _served_pipelines
+from ds_recycle.engine.engine import served_pipelines
 from ds_recycle.engine.runner import RecycleRunner
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
@@ -41,7 +41,7 @@ from ds_recycle.resilience.store import StoreKeys, connect_store
 from ds_recycle.resilience.transport import BoundedChannel, BoundedOptimizer, EpochComm
 from ds_recycle.runtime.grid import WorkerMap
 from ds_recycle.train.runner import IterationResult
-from ds_recycle.train.state import _layer_order
+from ds_recycle.train.state import cpu_state_dict, merge_in_layer_order
 
 __all__ = ["ResilientRunner", "faults_of"]
 
@@ -111,7 +111,7 @@ class ResilientRunner(RecycleRunner):
         eng.workers, eng.plan = workers, plan
         eng._schedules = [eng._make_schedule(k) for k in range(plan.iterations)]
         eng.channel = BoundedChannel(comm, workers.pipelines, eng.micro_batches)
-        served, rerouted = _served_pipelines(plan, eng.worker)
+        served, rerouted = served_pipelines(plan, eng.worker)
         old = eng.stepper
         eng.stepper = BoundedOptimizer(
             eng.module, eng.optimizer, stage=eng.stage_id, pipelines=workers.pipelines, dp_group=None,
@@ -294,14 +294,12 @@ class ResilientRunner(RecycleRunner):
         key = f"{self.keys.root}/final/{self.epoch}/stage/"
         if self.rank == self.workers.stage_ranks(stage)[0]:
             buf = io.BytesIO()
-            torch.save({k: v.detach().cpu().clone() for k, v in self.engine.module.state_dict().items()}, buf)
+            torch.save(cpu_state_dict(self.engine.module), buf)
             self.store.set(key + str(stage), buf.getvalue())
         if self.rank != self.engine.reporter_rank:
             return None
-        merged: dict[str, torch.Tensor] = {}
-        for s in range(self.workers.stages):
-            merged.update(torch.load(io.BytesIO(self.store.get(key + str(s))), weights_only=True))
-        return dict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
+        return merge_in_layer_order(torch.load(io.BytesIO(self.store.get(key + str(s))), weights_only=True)
+                                    for s in range(self.workers.stages))
 
     def is_reporter(self) -> bool:
         return self.rank == self.engine.reporter_rank
