@@ -128,7 +128,8 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
         tokens = cfg.recycle.pipelines * cfg.micro_batches * cfg.micro_batch_size * cfg.recycle.model.seq_len
         metrics = MetricsWriter(args.metrics, tokens, cfg.resolved(), args.wandb or os.environ.get("WANDB_MODE",
                                 "offline"), run_name=args.run_name)
-    start = _resume(runner, args)
+    joined_at = getattr(runner, "joined_at", None)  # a restarted worker that joined the running job
+    start = joined_at if joined_at is not None else _resume(runner, args)
     first_loss = last_loss = None
     for it in range(start, args.steps):
         t0 = time.perf_counter()
