@@ -146,20 +146,19 @@ class Supervisor:
     def _waits_for_restart_command(self) -> bool:
         """A node other than 0 whose workers have all exited stays up while one of its ranks could be restarted
         on command and some rank of the job still runs elsewhere (node 0 already waits for every rank)."""
+        was, self._lingering = self._lingering, False
         if self.hosts_store or self._store_lost or self._stop_reason is not None:
             return False
         restartable = [r for r in sorted(self.workers)
                        if judge_restart_request(self._rank_state(r), self.job.policy) is None]
-        if not restartable:
-            return False
         try:
-            everyone_gone = self.store.check([keys.exit_key(r) for r in range(self.job.layout.world_size)])
+            self._lingering = bool(restartable) and not self.store.check(
+                [keys.exit_key(r) for r in range(self.job.layout.world_size)])
         except (RuntimeError, OSError):
             return False  # node 0 and its store are gone: so is the job
-        if not everyone_gone and not self._lingering:
+        if self._lingering and not was:
             logger.info("no worker of this node runs; rank(s) %s can be restarted on command (`ds-recycle restart`) "
                         "while other ranks of the job run", restartable)
-        self._lingering = not everyone_gone
         return self._lingering
 
     def _children(self) -> list[Worker]:
@@ -252,7 +251,10 @@ class Supervisor:
         except (RuntimeError, OSError) as err:
             if not self.hosts_store:
                 self._store_lost = True
-                if self._stop_reason is None:
+                idle = self._lingering and not self._restart_at and not any(w.running for w in self.workers.values())
+                if idle:  # only waiting for a restart command: node 0 ended, so did the job
+                    logger.info("the store of node 0 is gone (%s); no worker of this node runs: done", err)
+                elif self._stop_reason is None:
                     self._stop(f"lost the store of node 0 ({err})")
 
     def _poll_others(self, others: OtherNodes) -> None:

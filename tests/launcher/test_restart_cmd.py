@@ -126,11 +126,16 @@ def test_the_launcher_of_another_node_restarts_its_own_rank(launch, tmp_path: Pa
     assert _restart(port, 2) == 0
     new_pid = int(re.search(r"^rank 2: restarted as pid (\d+) ", capsys.readouterr().out, re.M)[1])
     node1.wait_for(r"READY rank=2 pid=%d restart=1$" % new_pid)
+    assert node1.wait_for(r"no worker of this node runs; rank\(s\) \[2\] can be restarted on command")
 
-    go.touch()
+    os.kill(new_pid, signal.SIGKILL)  # lost again, and restartable: node 1 waits for a command ...
+    node1.wait_for(r"rank 2 \(pid %d, restart 1\) lost: signal SIGKILL" % new_pid)
+    time.sleep(1.0)
+    assert node1.proc.poll() is None, node1.text
+    go.touch()  # ... until the ranks of node 0 end, without one
     assert node1.finish() == 0, node1.text
     assert node0.finish() == 0, node0.text
-    assert "job succeeded with status 0: 3 rank(s) finished, 0 lost, 0 failed" in node0.text
+    assert "job succeeded with status 0: 2 rank(s) finished, 1 lost, 0 failed" in node0.text
     assert_no_survivors(node0)
     assert_no_survivors(node1)
 
