@@ -273,6 +273,7 @@ class Supervisor:
         if count == self._requests_seen:
             return
         self._requests_seen = count
+        self._reap()  # a rank that died a moment ago is judged by its exit, not as running
         for rank in sorted(self.workers):
             key = keys.restart_request_key(rank)
             if self.store.check([key]):
