@@ -17,7 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from ds_recycle.resilience.comm import FailureProbe  # noqa: E402
 from ds_recycle.resilience.rejoin import JoinTicket, decide_requests, file_request, write_tickets  # noqa: E402
-from ds_recycle.resilience.runner import redo_point  # noqa: E402
 from ds_recycle.resilience.store import StoreKeys  # noqa: E402
 from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
 
@@ -40,15 +39,6 @@ def test_requests_decided_alike_latest_request_of_a_rank_wins() -> None:
     assert [t.accepted for t in tickets] == [False, True, True, False, False]
     assert all(t.iteration == 7 and t.joining == (1, 2) and t.admitted_upto == 5 for t in tickets)
     assert decide_requests(store, keys, upto=5, after=5, members=[0], job_ranks=[0, 1]) == {}
-
-
-def test_redo_point_drops_a_member_without_the_snapshot() -> None:
-    # ranks 0, 2 hold iterations 5..7 and 6..8; rank 1 joined at 8; rank 3 joined but holds nothing yet
-    redo, members = redo_point({0: (5, 7), 1: (8, 8), 2: (6, 8), 3: (-1, -1)})
-    assert (redo, members) == (7, [0, 2])
-    assert redo_point({0: (3, 5), 1: (4, 5)}) == (5, [0, 1])
-    with pytest.raises(RuntimeError, match="no member holds"):
-        redo_point({0: (-1, -1)})
 
 
 def test_failure_probe_sees_a_member_restarted_after_its_exit_key_was_deleted() -> None:
