@@ -8,8 +8,11 @@ per-epoch gloo groups with bounded waits (:mod:`ds_recycle.resilience.transport`
 1. announces the iteration it holds a snapshot for and agrees on the live members (store, first writer wins);
 2. builds the next epoch's groups among the members and rebuilds the grid the engine reads;
 3. takes the plan for the new failure set from a :class:`~ds_recycle.plan.PlanCache`;
-4. restores the snapshot of the earliest unfinished iteration among the members and redoes it (see
-   :mod:`ds_recycle.resilience.snapshot`): *redo*, not salvage.
+4. salvages the interrupted iteration (keeps the weight gradients the survivors finished and runs the rest
+   as a repair schedule) or, when that is not possible, restores the snapshot of the earliest unfinished
+   iteration and redoes it (:mod:`ds_recycle.resilience.salvage`, :mod:`ds_recycle.resilience.snapshot`).
+
+A restarted worker joins the members at an iteration boundary (:mod:`ds_recycle.resilience.rejoin`).
 
 Each step is an event (``kind``, ``time_s``, details) in the iteration's :class:`IterationResult`, and the
 time from the kill to the first full iteration after it is recorded with its breakdown.
@@ -27,7 +30,7 @@ import torch
 
 from ds_recycle.config import TrainConfig
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.engine import served_pipelines
+from ds_recycle.engine.engine import IterationProgress, served_pipelines
 from ds_recycle.engine.runner import RecycleRunner
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
@@ -185,12 +188,12 @@ class ResilientRunner(RecycleRunner):
         loss = None
         while self.engine.iteration < target:
             try:
-                if self.comm.probe.failed():
-                    raise PeerFailure("a member exited (seen at the iteration boundary)")
                 self._fire(Phase.IDLE)
                 self.engine._exec_finish_optimizer_step()  # the previous step is final before the snapshot
+                self.snapshots.take(self.engine)  # from here, a failure loses nothing of the previous iteration
+                if self.comm.probe.failed():
+                    raise PeerFailure("a member exited (seen at the iteration boundary)")
                 self._admit_joiners()
-                self.snapshots.take(self.engine)
                 loss = self.engine.train_batch()
                 self._note_recovered()
             except PeerFailure as failure:
@@ -247,12 +250,14 @@ class ResilientRunner(RecycleRunner):
         except StageLostError as e:
             self._fall_back(e)
         planned = time.time()
-        decision = decide({q: reports[q] for q in members}, plan, workers)
+        decision = decide({q: reports[q] for q in members}, plan, workers, salvage=rc.salvage)
         eng = self.engine
         rows, loss_sum, progress = eng.stepper.partial_rows(), eng._loss_sum, eng.progress
         self._install(comm, workers, plan)
         self._event("plan_switch", absent=sorted(list(w) for w in workers.absent()), rerouted=self.rerouted)
         if decision.repair is not None:  # keep the finished work; run the rest of the iteration
+            if progress.iteration != redo:  # it was at the boundary of the iteration: nothing of it done yet
+                rows, loss_sum, progress = {}, None, IterationProgress(redo)
             eng.stepper.adopt_rows(rows)
             eng._loss_sum, eng.progress, eng.repair = loss_sum, progress, decision.repair
         else:
@@ -285,6 +290,8 @@ class ResilientRunner(RecycleRunner):
     def _report(self) -> Report:
         """What this member holds of the iteration in flight (see :mod:`ds_recycle.resilience.salvage`)."""
         eng, prog = self.engine, self.engine.progress
+        if prog.iteration < self.snapshots.latest:  # at a boundary: the next iteration has not started
+            prog = IterationProgress(self.snapshots.latest)
         served = tuple((d, i) for d in range(self.plan.pipelines) for i in range(self.plan.microbatches)
                        if self.plan.worker_of(eng.stage_id, (d, i)) == eng.worker)
         return Report(self.snapshots.earliest, self.snapshots.latest, prog.iteration, prog.stepping, eng.stage_id,

@@ -92,12 +92,13 @@ def redo_point(held: Mapping[int, tuple[int, int]]) -> tuple[int, list[int]]:
     return redo, sorted(q for q, (earliest, latest) in holding.items() if earliest <= redo <= latest)
 
 
-def decide(reports: Mapping[int, Report], new_plan: PlanLike, workers: WorkerMap) -> Decision:
+def decide(reports: Mapping[int, Report], new_plan: PlanLike, workers: WorkerMap, salvage: bool = True) -> Decision:
     """The members' common decision; ``reports`` and ``workers`` cover exactly the members that take part
-    (see :func:`redo_point`), ``new_plan`` is the plan for their failure set."""
+    (see :func:`redo_point`), ``new_plan`` is the plan for their failure set. ``salvage=False``
+    (``recycle.salvage``) always redoes."""
     redo = min(r.latest for r in reports.values())
     members = tuple(sorted(reports))
-    why = _why_not_salvage(reports, redo, new_plan, workers)
+    why = _why_not_salvage(reports, redo, new_plan, workers) if salvage else "salvage is off (recycle.salvage)"
     if why:
         return Decision(redo, members, None, why)
     w_done: dict[int, frozenset[MicroBatch]] = {}
