@@ -1,0 +1,209 @@
+"""Drive a training job from outside: start it under a launcher, follow its metrics, SIGKILL a worker, stop it.
+
+Used by ``launch/failure_demo.py`` and ``benchmarks/goodput.py``::
+
+    job = TrainJob.start(Launcher.RECYCLE, 4, ["--deepspeed_config", cfg, "--steps", "30"], metrics, log)
+    with job:
+        tail = MetricsTail(metrics)
+        while not tail.poll() ...: ...
+        job.kill_rank(1)          # a real SIGKILL of rank 1's process, found through /proc
+    # leaving the block stops the launcher and SIGKILLs whatever of the job is left
+
+The launcher runs in its own session with its output in a log file; :meth:`TrainJob.stop` sends it SIGTERM
+(both launchers then stop their workers), waits, and SIGKILLs the launcher's process group and every
+descendant still alive. Worker pids come from :mod:`ds_recycle.tools.procs` (Linux only).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Sequence
+
+from ds_recycle.tools.procs import descendants, scan_proc, worker_pids
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Launcher", "TrainJob", "Kill", "MetricsTail", "REPO", "rank_of"]
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = REPO / "launch" / "train.py"
+
+
+class Launcher(enum.Enum):
+    """Which launcher starts the workers."""
+
+    RECYCLE = "ds-recycle launch"
+    """``ds-recycle launch``: survivors are kept alive; lost ranks restarted with ``--restart_failed_after``."""
+    DEEPSPEED = "deepspeed"
+    """DeepSpeed's own launcher: the first worker that dies takes the whole job down (it polls every second)."""
+
+    def command(self, nproc: int, launcher_args: Sequence[str] = ()) -> list[str]:
+        """The launcher's command line up to (not including) the training script."""
+        if self is Launcher.RECYCLE:
+            return [sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", str(nproc),
+                    "--master_port", "0", *launcher_args]
+        return [str(Path(sys.executable).parent / "deepspeed"), "--num_accelerators", str(nproc),
+                "--master_port", str(_free_port()), *launcher_args]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_of(pipeline: int, stage: int, pipelines: int) -> int:
+    """Global rank of worker (pipeline, stage) in a job without absent workers (DeepSpeed's stage-major layout)."""
+    return stage * pipelines + pipeline
+
+
+@dataclass(frozen=True)
+class Kill:
+    """One SIGKILL sent from outside."""
+
+    time_s: float
+    """Unix time of the kill."""
+    rank: int
+    pid: int
+
+
+class TrainJob:
+    """One launcher process running ``launch/train.py``; a context manager that always cleans up."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], launcher: Launcher, started_at: float, log: Path) -> None:
+        self.proc = proc
+        self.launcher = launcher
+        self.started_at = started_at
+        """Unix time just before the launcher was spawned."""
+        self.log = log
+        self._seen: set[int] = set()
+
+    @classmethod
+    def start(cls, launcher: Launcher, nproc: int, script_args: Sequence[str], log: Path,
+              launcher_args: Sequence[str] = (), env: dict[str, str] | None = None) -> TrainJob:
+        """Spawn ``<launcher> launch/train.py <script_args>`` with its output in ``log``."""
+        cmd = [*launcher.command(nproc, launcher_args), str(TRAIN_SCRIPT), *script_args]
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+                    **(env or {})}
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            started = time.time()
+            proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        logger.info("started %s as pid %d: %s", launcher.value, proc.pid, " ".join(cmd))
+        return cls(proc, launcher, started, log)
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def pids(self) -> dict[int, int]:
+        """``rank -> pid`` of the workers alive now."""
+        found = worker_pids(self.proc.pid) if self.running else {}
+        self._seen.update(found.values())
+        return found
+
+    def kill_rank(self, rank: int) -> Kill | None:
+        """SIGKILL the process of ``rank``; None when no live process runs that rank now."""
+        pid = self.pids().get(rank)
+        if pid is None:
+            return None
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        logger.info("SIGKILL to rank %d (pid %d)", rank, pid)
+        return Kill(time.time(), rank, pid)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The launcher's exit status, or None if it still runs after ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: float = 20.0) -> int:
+        """SIGTERM the launcher (it stops its workers), then SIGKILL whatever of the job is left."""
+        if self.running:
+            self.pids()
+            left = set(descendants(scan_proc(), self.proc.pid))
+            self.proc.send_signal(signal.SIGTERM)
+            if self.wait(grace_s) is None:
+                logger.warning("%s did not stop %.0f s after SIGTERM: SIGKILL", self.launcher.value, grace_s)
+            self._seen |= left
+        self._kill_leftovers()
+        return self.proc.wait()
+
+    def _kill_leftovers(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in sorted(self._seen):
+            try:
+                os.kill(pid, signal.SIGKILL)  # pids of this job's workers: reuse within seconds is not a concern
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def __enter__(self) -> TrainJob:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+@dataclass
+class MetricsTail:
+    """Follows the reporter's JSON Lines metrics file while the job writes it.
+
+    A restarted reporter (a fallback to a checkpoint) writes the file anew: a file that shrank, or a record
+    whose iteration does not follow the last one, starts a new *life*. ``lives`` keeps every record read.
+    """
+
+    path: Path
+    lives: list[list[dict[str, Any]]] = field(default_factory=list)
+    _offset: int = 0
+    _partial: bytes = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Records written since the last call."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self._offset:
+            self._offset, self._partial = 0, b""
+            self.lives.append([])
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = self._partial + f.read()
+        self._offset += len(data) - len(self._partial)
+        *lines, self._partial = data.split(b"\n")
+        new = [json.loads(line) for line in lines if line.strip()]
+        for rec in new:
+            self._add(rec)
+        return new
+
+    def _add(self, rec: dict[str, Any]) -> None:
+        if not self.lives or (self.lives[-1] and rec["iter"] <= self.lives[-1][-1]["iter"]):
+            self.lives.append([])
+        self.lives[-1].append(rec)
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        return self.lives[-1][-1] if self.lives and self.lives[-1] else None
