@@ -9,13 +9,14 @@ When every worker of a stage is lost, the survivors cannot re-route: they record
 *generation* in the launcher's store and leave as lost workers (exit code 75); with
 ``--restart_failed_after`` the launcher starts every rank again. A restarted process builds its WORLD under
 the store prefix of the current generation (the old world's keys are still in the store) and resumes from
-the latest checkpoint.
+the latest checkpoint. A rank restarted while the others train on (its stage kept a live replica) joins the
+running job instead (:mod:`ds_recycle.resilience.rejoin`).
 """
 from __future__ import annotations
 
+import enum
 import logging
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,15 +24,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GENERATION_KEY", "LOST_EXIT_CODE", "init_generation_world", "load_stage", "save_stage", "write_latest"]
+__all__ = ["GENERATION_KEY", "LOST_EXIT_CODE", "WorldStart", "init_generation_world", "load_stage", "save_stage", "write_latest"]
 
 logger = logging.getLogger(__name__)
 
 GENERATION_KEY = "ds_recycle/generation"
 """Store counter: how many times the whole job fell back to a checkpoint."""
 LOST_EXIT_CODE = int(os.environ.get("DS_RECYCLE_LOST_EXIT_CODE", "75"))
-FALLBACK_WAIT_S = 30.0
-"""How long a restarted worker waits for the job to fall back before it leaves as lost (no rejoin yet)."""
+
+
+class WorldStart(enum.Enum):
+    """How a worker process enters the job (see :func:`init_generation_world`)."""
+
+    FRESH = "fresh"
+    GENERATION = "generation"
+    REJOIN = "rejoin"
 
 
 def _stage_file(directory: str, iteration: int, stage: int) -> Path:
@@ -76,10 +83,14 @@ def load_stage(engine: Any, directory: str) -> int | None:
     return iteration
 
 
-def init_generation_world(timeout_s: float) -> bool:
-    """Initialise WORLD under the current generation's store prefix when the job fell back before.
+def init_generation_world(timeout_s: float) -> WorldStart:
+    """Initialise WORLD for this process under ``ds-recycle launch``, or say why not.
 
-    Returns False (and does nothing) in generation 0, where the usual env:// start-up applies.
+    - generation 0, first process of the rank: nothing done, the usual env:// start-up applies (``FRESH``);
+    - the job fell back to a checkpoint since this rank last ran: WORLD is initialised under the current
+      generation's store prefix (``GENERATION``);
+    - the rank was restarted while the job trains on without it: it must *join* the running job
+      (``REJOIN``; the caller initialises a detached WORLD, see :mod:`ds_recycle.resilience.rejoin`).
     """
     from ds_recycle.resilience.store import connect_store
 
@@ -88,20 +99,12 @@ def init_generation_world(timeout_s: float) -> bool:
     generation = int(store.add(GENERATION_KEY, 0))
     mine = f"ds_recycle/rank_generation/{rank}"
     if int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")) > 0 and store.check([mine]):
-        died_in = int(store.get(mine))
-        deadline = time.monotonic() + FALLBACK_WAIT_S
-        while generation <= died_in and time.monotonic() < deadline:  # only a fallback lets it back in
-            time.sleep(0.05)
-            generation = int(store.add(GENERATION_KEY, 0))
-        if generation <= died_in:
-            logger.error("restarted, but the job did not fall back to a checkpoint within %.0f s; joining a "
-                         "running job is not supported yet: leaving as lost", FALLBACK_WAIT_S)
-            logging.shutdown()
-            os._exit(LOST_EXIT_CODE)
+        if generation <= int(store.get(mine)):
+            return WorldStart.REJOIN
     store.set(mine, str(generation))
     if generation == 0:
-        return False
+        return WorldStart.FRESH
     logger.warning("generation %d: joining the restarted job from its checkpoint", generation)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"ds_recycle/gen{generation}/", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
-    return True
+    return WorldStart.GENERATION

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ds_recycle.resilience.store import StoreKeys
+from ds_recycle.resilience.store import StoreKeys, incarnation
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +52,15 @@ class FailureProbe:
     store: dist.Store
     members: tuple[int, ...] = ()
     keys: StoreKeys = field(default_factory=StoreKeys)
+    incarnations: dict[int, int] = field(default_factory=dict)
+    """Each member's restart count when the epoch began: a member restarted since then died in between, even
+    when its exit key is already gone again (the launcher deletes it when it restarts the rank)."""
     _count: int = -1
 
     def arm(self, members: Sequence[int]) -> "FailureProbe":
         """Watch ``members`` from now on (at the start of an epoch)."""
         self.members = tuple(members)
+        self.incarnations = {r: incarnation(self.store, self.keys, r) for r in self.members}
         self._count = -1
         return self
 
@@ -65,7 +69,8 @@ class FailureProbe:
         if count == self._count:
             return False
         self._count = count
-        return any(self.store.check([self.keys.exit(r)]) for r in self.members)
+        return any(self.store.check([self.keys.exit(r)]) or incarnation(self.store, self.keys, r) != n
+                   for r, n in self.incarnations.items())
 
 
 def bounded_wait(work: Work, probe: FailureProbe | None, timeout_s: float, what: str,
@@ -109,6 +114,12 @@ class EpochGroup:
         return self.pg.recv([tensor], self.index[src], tag)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
+        return self._all_reduce(tensor, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> Work:
+        return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> Work:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = op
         return self.pg.allreduce([tensor], opts)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ds_recycle.resilience.store import StoreKeys
+from ds_recycle.resilience.store import StoreKeys, incarnation
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class Liveness:
         self.stale_after_s = stale_after_s
         self.keys = keys
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
+        self.incarnations: dict[int, int] = {}
+        """Restart count of each member when the current epoch began (see ``FailureProbe.incarnations``)."""
 
     def exited(self, rank: int) -> bool:
         """The launcher reported this rank's process gone."""
@@ -73,5 +75,9 @@ class Liveness:
             return False
         return now - last[1] > self.stale_after_s
 
+    def restarted(self, rank: int) -> bool:
+        """The launcher started this rank again since the epoch began: the process we knew is gone."""
+        return rank in self.incarnations and incarnation(self.store, self.keys, rank) != self.incarnations[rank]
+
     def dead(self, rank: int) -> bool:
-        return self.exited(rank) or self.stale(rank)
+        return self.exited(rank) or self.restarted(rank) or self.stale(rank)

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -34,7 +34,9 @@ from ds_recycle.resilience import checkpoint as ckpt
 from ds_recycle.resilience.comm import PeerFailure
 from ds_recycle.resilience.faults import FaultInjector, FaultSpec, Phase
 from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
-from ds_recycle.resilience.membership import agree_members
+from ds_recycle.resilience.membership import MembershipError, agree_members
+from ds_recycle.resilience.rejoin import (JobClosed, JoinTicket, decide_requests, file_request, stage_sources,
+                                          transfer_stage_state, wait_for_ticket, write_tickets)
 from ds_recycle.resilience.regroup import EpochGrid
 from ds_recycle.resilience.snapshot import SnapshotRing
 from ds_recycle.resilience.store import StoreKeys, connect_store
@@ -43,7 +45,7 @@ from ds_recycle.runtime.grid import WorkerMap
 from ds_recycle.train.runner import IterationResult
 from ds_recycle.train.state import cpu_state_dict, merge_in_layer_order
 
-__all__ = ["ResilientRunner", "faults_of"]
+__all__ = ["ResilientRunner", "faults_of", "redo_point"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,21 @@ _PHASES: dict[type, Phase] = {
 def faults_of(cfg: TrainConfig) -> list[FaultSpec]:
     """The config's ``recycle.faults`` as fault specs."""
     return [FaultSpec(f.worker[0], f.worker[1], f.iteration, Phase(f.phase)) for f in cfg.recycle.faults]
+
+
+def redo_point(held: dict[int, tuple[int, int]]) -> tuple[int, list[int]]:
+    """The iteration to redo after a failure, and the members that can: ``held`` maps each agreed member to
+    the (earliest, latest) iterations whose start state it holds (-1, -1: none).
+
+    The redo starts at the earliest iteration some member had not finished (the smallest ``latest``); a
+    member without that snapshot (a worker that joined during the interrupted iteration) leaves. Every
+    member computes the same answer from the same store values.
+    """
+    holding = {q: span for q, span in held.items() if span[1] >= 0}
+    if not holding:
+        raise RuntimeError(f"no member holds a snapshot to redo from: {held}")
+    redo = min(latest for _, latest in holding.values())
+    return redo, sorted(q for q, (earliest, latest) in holding.items() if earliest <= redo <= latest)
 
 
 class ResilientRunner(RecycleRunner):
@@ -89,17 +106,29 @@ class ResilientRunner(RecycleRunner):
         restarted = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")) > 0
         # Faults fire in a worker's first life only: a restarted worker must not die again at the same spot.
         self.injector = FaultInjector([] if restarted else faults_of(cfg), *self.engine.worker)
-        self._install(self._build_comm(""), self.workers, self.plan)
+        self.job_workers = self.workers
+        """Every worker of the job and its rank, live or not (a restarted rank runs the same worker)."""
+        self.joins_decided = 0
+        """Join requests decided so far (the members agree on this count at iteration boundaries)."""
+        self._join_checked: int | None = None
+        self.joined_at: int | None = None
+        """The iteration at which this process joined the running job (None: it started with the job)."""
+        if getattr(world, "rejoining", False):
+            self._join()
+        else:
+            self._install(self._build_comm(""), self.workers, self.plan)
         self._wrap_handlers()
 
     # ------------------------------------------------------------------ groups and engine state
     def _build_comm(self, tag: str) -> EpochComm:
         stage_members = self.workers.stage_ranks(self.engine.stage_id)
         try:
-            return EpochComm.build(self.store, self.epoch, self.members, stage_members, self.rank,
+            comm = EpochComm.build(self.store, self.epoch, self.members, stage_members, self.rank,
                                    self.cfg.recycle.failure_timeout_s, f"g{self.generation}{tag}")
         except RuntimeError as e:  # a member died while the groups were being connected
             raise PeerFailure(f"building the groups of epoch {self.epoch}: {e}") from e
+        self.liveness.incarnations = dict(comm.probe.incarnations)
+        return comm
 
     def _install(self, comm: EpochComm, workers: WorkerMap, plan: Any) -> None:
         """Point the engine at ``comm``'s groups, ``workers`` and ``plan`` (every cached reference)."""
@@ -120,7 +149,9 @@ class ResilientRunner(RecycleRunner):
             norm_source=min(workers.stage_ranks(0))).attach(comm, self._at_step)
         eng.stepper.clipped_steps, eng.stepper.redone_steps = old.clipped_steps, old.redone_steps
         eng.stepper._expect_clip = getattr(old, "_expect_clip", False)
-        eng.reporter_rank = min(workers.stage_ranks(workers.stages - 1))
+        last = workers.stage_ranks(workers.stages - 1)
+        if eng.reporter_rank not in last:  # the metrics stay with one rank for as long as it lives
+            eng.reporter_rank = min(last)
         eng.slots, eng._loss_sum = {}, None
         self.rerouted = sum(plan.worker_of(s, (d, i))[0] != d for s in range(plan.stages)
                             for d in range(plan.pipelines) for i in range(plan.microbatches))
@@ -172,6 +203,7 @@ class ResilientRunner(RecycleRunner):
                     raise PeerFailure("a member exited (seen at the iteration boundary)")
                 self._fire(Phase.IDLE)
                 self.engine._exec_finish_optimizer_step()  # the previous step is final before the snapshot
+                self._admit_joiners()
                 self.snapshots.take(self.engine)
                 loss = self.engine.train_batch()
                 self._note_recovered()
@@ -197,19 +229,29 @@ class ResilientRunner(RecycleRunner):
     def _recover(self, failure: PeerFailure) -> None:
         detected = time.time()
         rc = self.cfg.recycle
+        self._join_checked = None  # every member checks for joiners again at the boundary it redoes
         self.epoch += 1
-        self.store.set(f"{self.keys.root}/epoch/{self.epoch}/snap/{self.rank}", str(self.snapshots.latest))
-        members = agree_members(self.store, self.epoch, self.rank, self.members, self.liveness,
-                                timeout_s=rc.failure_timeout_s, keys=self.keys)
+        snap_key = f"{self.keys.root}/epoch/{self.epoch}/snap/"
+        self.store.set(snap_key + str(self.rank), f"{self.snapshots.earliest},{self.snapshots.latest}")
+        try:
+            members = agree_members(self.store, self.epoch, self.rank, self.members, self.liveness,
+                                    timeout_s=rc.failure_timeout_s, keys=self.keys)
+        except MembershipError as e:  # fenced out by the others: leave, a restart can join again
+            logger.error("%s; leaving as lost (exit %d)", e, ckpt.LOST_EXIT_CODE)
+            self._exit(ckpt.LOST_EXIT_CODE)
         agreed = time.time()
-        redo = min(int(self.store.get(f"{self.keys.root}/epoch/{self.epoch}/snap/{q}")) for q in members)
+        held = {q: tuple(int(x) for x in self.store.get(snap_key + str(q)).decode().split(",")) for q in members}
+        redo, members = redo_point(held)
+        if self.rank not in members:
+            logger.error("no snapshot of iteration %d here (joined at %s): leaving as lost (exit %d)", redo,
+                         self.joined_at, ckpt.LOST_EXIT_CODE)
+            self._exit(ckpt.LOST_EXIT_CODE)
         dead = sorted(set(self.members) - set(members))
         killed = [float(self.store.get(self._fault_key(q))) for q in dead if self.store.check([self._fault_key(q)])]
         self._event("failure", lost_ranks=dead, lost_workers=[list(self.workers.worker_of_rank(q)) for q in dead],
                     reason=str(failure), epoch=self.epoch)
         self._event("agreement", members=members, epoch=self.epoch, redo_iteration=redo)
-        workers = WorkerMap(self.workers.stages, self.workers.pipelines,
-                            {w: r for w, r in self.workers.ranks.items() if r in members})
+        workers = self._workers_of(members)
         self.members = members
         self.workers = workers
         comm = self._build_comm("")
@@ -237,10 +279,115 @@ class ResilientRunner(RecycleRunner):
                      "(exit %d) and the launcher restarts every rank (--restart_failed_after)", error,
                      ckpt.LOST_EXIT_CODE)
         self.store.compare_set(ckpt.GENERATION_KEY, str(self.generation), str(self.generation + 1))
+        self._exit(ckpt.LOST_EXIT_CODE)
+
+    # ------------------------------------------------------------------ rejoin
+    def _workers_of(self, members: list[int]) -> WorkerMap:
+        return WorkerMap(self.job_workers.stages, self.job_workers.pipelines,
+                         {w: r for w, r in self.job_workers.ranks.items() if r in members})
+
+    def _stepper_state(self) -> dict[str, Any]:
+        st = self.engine.stepper
+        return {"clipped_steps": st.clipped_steps, "redone_steps": st.redone_steps,
+                "expect_clip": getattr(st, "_expect_clip", False)}
+
+    def _admit_joiners(self) -> None:
+        """At an iteration boundary: let in the restarted workers whose join requests the members agree on."""
+        boundary = self.engine.iteration
+        if self._join_checked == boundary:
+            return
+        self._join_checked = boundary
+        filed = torch.tensor([int(self.store.add(self.keys.join_requests, 0))], dtype=torch.int64)
+        self.comm.wait(self.comm.norm.all_reduce_max(filed), "join check")  # one count for every member
+        upto = int(filed.item())
+        if upto <= self.joins_decided:
+            return
+        started = time.time()
+        accepted = decide_requests(self.store, self.keys, upto, self.joins_decided, self.members,
+                                   sorted(self.job_workers.ranks.values()))
+        joining = sorted(accepted.values())
+        previous, after = list(self.members), self.joins_decided
+        self.joins_decided = upto
+        members = sorted(previous + joining)
+        if self.rank == min(previous):
+            write_tickets(self.store, self.keys, upto, after, accepted, self.epoch, members, boundary,
+                          self.engine.reporter_rank)
+        if not joining:
+            return
+        # Joins do not count as agreement rounds (``epoch``): a failure in the middle of one sends every member
+        # to the same next round, whether it had finished the join or not. Their groups carry the join count.
+        self.members, self.workers = members, self._workers_of(members)
+        comm = self._build_comm(f"j{upto}")
+        connected = time.time()
+        self._install(comm, self.workers, self.plans.get(self.workers.absent()))
+        sources = stage_sources(previous, joining, lambda q: self.job_workers.worker_of_rank(q)[1])
+        moved = 0
+        if self.engine.stage_id in sources:
+            moved, _ = transfer_stage_state(comm, sources[self.engine.stage_id], self.rank, self.engine, load=False,
+                                            extra=self._stepper_state())
+        self._event("rejoin", ranks=joining, workers=[list(self.job_workers.worker_of_rank(q)) for q in joining],
+                    iteration=boundary, members=members, regroup_s=connected - started,
+                    join_s=time.time() - started, state_bytes=moved)
+        self._event("plan_switch", absent=sorted(list(w) for w in self.workers.absent()), rerouted=self.rerouted)
+        logger.warning("ranks %s joined at iteration %d: members %s", joining, boundary, members)
+
+    def _join(self) -> None:
+        """This process replaces a lost worker: ask the members in, take the stage's state, start at a boundary."""
+        started = time.time()
+        number = file_request(self.store, self.keys, self.rank)
+        rc = self.cfg.recycle
+        try:
+            ticket = wait_for_ticket(self.store, self.keys, number, rc.failure_timeout_s, self._fell_back)
+        except JobClosed as e:
+            self._leave_unjoined(str(e))
+        if not ticket.accepted:
+            self._leave_unjoined(f"join request {number} {ticket.reason}")
+        try:
+            self._enter(ticket, started)
+        except PeerFailure as e:  # a member died while this one joined: the others will regroup without it
+            logger.error("join failed: %s; leaving as lost (exit %d)", e, ckpt.LOST_EXIT_CODE)
+            self._exit(ckpt.LOST_EXIT_CODE)
+
+    def _enter(self, ticket: JoinTicket, started: float) -> None:
+        self.epoch, self.members, self.joins_decided = ticket.epoch, list(ticket.members), ticket.admitted_upto
+        self.workers = self._workers_of(self.members)
+        self.engine.reporter_rank = ticket.reporter
+        comm = self._build_comm(f"j{ticket.admitted_upto}")
+        self._install(comm, self.workers, self.plans.get(self.workers.absent()))
+        previous = [q for q in ticket.members if q not in ticket.joining]
+        src = stage_sources(previous, ticket.joining, lambda q: self.job_workers.worker_of_rank(q)[1])[
+            self.engine.stage_id]
+        moved, extra = transfer_stage_state(comm, src, self.rank, self.engine, load=True)
+        if self.engine.iteration != ticket.iteration:
+            raise RuntimeError(f"state from rank {src} is at iteration {self.engine.iteration}, "
+                               f"the ticket says {ticket.iteration}")
+        st = self.engine.stepper
+        st.clipped_steps, st.redone_steps = extra["clipped_steps"], extra["redone_steps"]
+        st._expect_clip = extra["expect_clip"]
+        self._join_checked = self.joined_at = self._target = ticket.iteration
+        self._event("rejoin", ranks=[self.rank], workers=[list(self.engine.worker)], iteration=ticket.iteration,
+                    members=self.members, join_s=time.time() - started, state_bytes=moved)
+        logger.warning("joined the running job at iteration %d (epoch %d, members %s, %d bytes of state from "
+                       "rank %d)", ticket.iteration, self.epoch, self.members, moved, src)
+
+    def _fell_back(self) -> str | None:
+        if int(self.store.add(ckpt.GENERATION_KEY, 0)) != self.generation:
+            return "the job fell back to its checkpoint"
+        return None
+
+    def _leave_unjoined(self, why: str) -> NoReturn:
+        """Leave without having joined: finished if training is over, lost otherwise (a restart may follow)."""
+        closed = self.store.check([self.keys.join_closed]) and self._fell_back() is None
+        code = 0 if closed else ckpt.LOST_EXIT_CODE
+        logger.warning("not joining: %s; leaving (exit %d)", why, code)
+        self._exit(code)
+
+    def _exit(self, code: int) -> NoReturn:
+        self.heartbeat.stop()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(ckpt.LOST_EXIT_CODE)
+        os._exit(code)
 
     # ------------------------------------------------------------------ checkpoints
     def _with_recovery(self, what: Any) -> Any:
@@ -265,6 +412,8 @@ class ResilientRunner(RecycleRunner):
         self._with_recovery(save)
 
     def load_checkpoint(self, directory: str) -> int | None:
+        if self.joined_at is not None:  # state came from a live replica, newer than any checkpoint
+            return self.joined_at
         start = ckpt.load_stage(self.engine, directory)
         if start is not None:
             self._target = start
@@ -275,6 +424,7 @@ class ResilientRunner(RecycleRunner):
 
     # ------------------------------------------------------------------ end of training
     def _finish(self) -> None:
+        self.store.set(self.keys.join_closed, "1")  # training is over: a restarted worker has nothing to join
         while not self._finished:
             try:
                 self.engine.finish()
@@ -307,12 +457,9 @@ class ResilientRunner(RecycleRunner):
     def close(self) -> None:
         self._finish()
         self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "closing barrier")
-        self.heartbeat.stop()
-        if self.epoch == 0:
+        if self.epoch == 0 and self.joined_at is None:
+            self.heartbeat.stop()
             super().close()
             return
-        # The WORLD group still references a dead peer: tearing it down could abort; leave at once.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        # The WORLD group still references a dead peer (or is detached): tearing it down could abort; leave.
+        self._exit(0)

@@ -62,6 +62,11 @@ class SnapshotRing:
             self._items.popitem(last=False)
 
     @property
+    def earliest(self) -> int:
+        """The earliest iteration whose start state is held (-1: none yet)."""
+        return next(iter(self._items)) if self._items else -1
+
+    @property
     def latest(self) -> int:
         """The latest iteration whose start state is held (-1: none yet)."""
         return next(reversed(self._items)) if self._items else -1

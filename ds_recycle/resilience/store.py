@@ -9,7 +9,13 @@ Key layout (all under ``ds_recycle/``; the launcher writes the first two, see
 ``ds_recycle/hb/<rank>``               heartbeat counter, incremented by the worker every period
 ``ds_recycle/epoch/<e>/alive/<rank>``  the worker reached agreement round ``e``
 ``ds_recycle/epoch/<e>/members``       the agreed live ranks of round ``e`` (first writer wins)
+``ds_recycle/join/requests``           counter of join requests filed by restarted workers
+``ds_recycle/join/request/<n>``        the rank that filed request ``n``
+``ds_recycle/join/ticket/<n>``         the members' answer to request ``n`` (JSON, see ``rejoin``)
+``ds_recycle/join/closed``             training is over: no more joins
 =====================================  =========================================================
+
+After a fallback to a checkpoint, the workers' keys live under ``ds_recycle/gen<g>/`` instead.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import torch.distributed as dist
 
 from ds_recycle.launcher import store as launcher_store
 
-__all__ = ["StoreKeys", "connect_store"]
+__all__ = ["StoreKeys", "connect_store", "incarnation"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,23 @@ class StoreKeys:
     def members(self, epoch: int) -> str:
         return f"{self.root}/epoch/{epoch}/members"
 
+    @property
+    def join_requests(self) -> str:
+        return f"{self.root}/join/requests"
+
+    def join_request(self, number: int) -> str:
+        return f"{self.root}/join/request/{number}"
+
+    def join_ticket(self, number: int) -> str:
+        return f"{self.root}/join/ticket/{number}"
+
+    @property
+    def join_closed(self) -> str:
+        return f"{self.root}/join/closed"
+
+    def restarted(self, rank: int) -> str:
+        return launcher_store.restarted_key(rank)
+
 
 def connect_store(timeout_s: float = 30.0, address: str | None = None) -> dist.TCPStore:
     """A new client of the launcher's store (``$DS_RECYCLE_STORE`` = ``host:port``, set by ``ds-recycle launch``)."""
@@ -54,3 +77,9 @@ def connect_store(timeout_s: float = 30.0, address: str | None = None) -> dist.T
                            "'ds-recycle launch' (the deepspeed launcher and torchrun kill survivors anyway)")
     host, port = address.rsplit(":", 1)
     return launcher_store.connect_store(host, int(port), timeout_s)
+
+
+def incarnation(store: dist.Store, keys: StoreKeys, rank: int) -> int:
+    """How many times the launcher restarted ``rank`` (0: its first process)."""
+    key = keys.restarted(rank)
+    return int(store.get(key)) if store.check([key]) else 0

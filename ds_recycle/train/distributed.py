@@ -22,6 +22,8 @@ class World:
     local_rank: int
     resilient: bool
     """True under ``ds-recycle launch``, whose store outlives every worker."""
+    rejoining: bool = False
+    """A restarted worker joining a running job: its WORLD is detached, its state comes from a live peer."""
 
 
 def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
@@ -38,18 +40,24 @@ def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
     # The CPU accelerator would JIT-compile a shared-memory op only inference all-reduce uses.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = "gloo" if not torch.cuda.is_available() else "nccl"
+    rejoining = False
     if os.environ.get("DS_RECYCLE_LAUNCHER") == "1" and os.environ.get("DS_RECYCLE_STORE"):
         # After a fallback to a checkpoint the job runs again under a fresh store prefix (the old WORLD's
-        # keys are still in the launcher's store); generation 0 uses the ordinary env:// start-up.
-        from ds_recycle.resilience.checkpoint import init_generation_world
+        # keys are still in the launcher's store); generation 0 uses the ordinary env:// start-up; a rank
+        # restarted while the others train on joins them on a detached WORLD.
+        from ds_recycle.resilience.checkpoint import WorldStart, init_generation_world
 
-        init_generation_world(timeout_s)
+        if init_generation_world(timeout_s) is WorldStart.REJOIN:
+            from ds_recycle.resilience.detached import init_detached_world
+
+            init_detached_world(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s)
+            rejoining = True
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     import torch.distributed as dist
 
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size(),
                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                  resilient=os.environ.get("DS_RECYCLE_LAUNCHER") == "1")
+                  resilient=os.environ.get("DS_RECYCLE_LAUNCHER") == "1", rejoining=rejoining)
     if torch.cuda.is_available():
         torch.cuda.set_device(world.local_rank)
     return world

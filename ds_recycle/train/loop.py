@@ -122,18 +122,27 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
     world = init_worker()
     cfg.check_world_size(world.world_size)
     runner = _make_runner(cfg, world)
-    metrics = None
-    if runner.is_reporter():
-        logger.info("resolved config: %s", json.dumps(cfg.resolved()))
-        tokens = cfg.recycle.pipelines * cfg.micro_batches * cfg.micro_batch_size * cfg.recycle.model.seq_len
-        metrics = MetricsWriter(args.metrics, tokens, cfg.resolved(), args.wandb or os.environ.get("WANDB_MODE",
-                                "offline"), run_name=args.run_name)
-    start = _resume(runner, args)
+    tokens = cfg.recycle.pipelines * cfg.micro_batches * cfg.micro_batch_size * cfg.recycle.model.seq_len
+
+    def open_metrics(takeover: bool) -> MetricsWriter:
+        if not takeover:
+            logger.info("resolved config: %s", json.dumps(cfg.resolved()))
+        else:
+            logger.warning("the reporting worker is gone: this rank reports from now on (appending to %s)",
+                           args.metrics)
+        return MetricsWriter(args.metrics, tokens, cfg.resolved(), args.wandb or os.environ.get("WANDB_MODE",
+                             "offline"), run_name=args.run_name, append=takeover)
+
+    metrics = open_metrics(False) if runner.is_reporter() else None
+    joined_at = getattr(runner, "joined_at", None)  # a restarted worker that joined the running job
+    start = joined_at if joined_at is not None else _resume(runner, args)
     first_loss = last_loss = None
     for it in range(start, args.steps):
         t0 = time.perf_counter()
         result = runner.train_iteration(it)
         dt = time.perf_counter() - t0
+        if metrics is None and runner.is_reporter():  # the reporter died and this rank took over
+            metrics = open_metrics(True)
         if metrics is not None:
             rec = metrics.record(it, result, dt)
             first_loss = result.loss if first_loss is None else first_loss

@@ -37,13 +37,15 @@ class MetricsWriter:
     """Writes one record per iteration to JSON Lines (optional) and wandb (unless disabled)."""
 
     def __init__(self, path: str | None, tokens_per_iteration: int, run_config: dict[str, Any],
-                 wandb_mode: str, run_name: str | None = None, project: str = "ds_recycle") -> None:
+                 wandb_mode: str, run_name: str | None = None, project: str = "ds_recycle",
+                 append: bool = False) -> None:
+        """``append``: continue an existing file (a rank taking over from a reporter that died)."""
         self.tokens_per_iteration = tokens_per_iteration
         self.start = time.monotonic()
         self._file: TextIO | None = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w", encoding="utf-8")
+            self._file = open(path, "a" if append else "w", encoding="utf-8")
         self._wandb: Any = None
         if wandb_mode != "disabled":
             import wandb

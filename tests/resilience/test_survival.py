@@ -117,3 +117,13 @@ def test_whole_stage_lost_falls_back_to_the_checkpoint(tmp_path: Path, baseline_
     records = job.metrics(metrics)  # the restarted reporter's file: from the checkpoint on
     assert records[0]["iter"] == 4 and records[0]["events"][0]["kind"] == "resumed"
     assert_same_model(out, baseline_2x2)
+
+
+@pytest.mark.timeout(150)
+def test_reporter_killed_next_last_stage_worker_continues_the_metrics(tmp_path: Path, baseline_2x2: Path) -> None:
+    out, output, records = _train(tmp_path, _config(tmp_path, "r", 2, 2), 4, "r", ["0:1@3:forward"])
+    assert "this rank reports from now on" in output, output[-3000:]
+    assert [r["iter"] for r in records] == list(range(STEPS))
+    assert [e["kind"] for e in records[3]["events"]][:2] == ["failure", "agreement"]
+    assert records[3]["events"][0]["lost_workers"] == [[0, 1]] and records[-1]["live_workers"] == 3
+    assert_same_model(out, baseline_2x2)

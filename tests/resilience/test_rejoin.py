@@ -1,0 +1,113 @@
+"""A killed worker restarted by the launcher joins the running job; the model stays the failure-free one.
+
+Pure parts (tickets, request decisions, the redo point, restart detection) run on a ``HashStore``; the
+jobs run under ``ds-recycle launch --restart_failed_after`` with ``--kill`` (SIGKILL), and their final
+parameters are compared with ``ds-recycle compare`` against a failure-free run.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from ds_recycle.resilience.comm import FailureProbe  # noqa: E402
+from ds_recycle.resilience.rejoin import JoinTicket, decide_requests, file_request, write_tickets  # noqa: E402
+from ds_recycle.resilience.runner import redo_point  # noqa: E402
+from ds_recycle.resilience.store import StoreKeys  # noqa: E402
+from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------ pure parts
+
+
+def test_ticket_round_trips_through_json() -> None:
+    t = JoinTicket(3, 2, (0, 1, 2, 3), 41, 3, (1,), 2, True, "")
+    assert JoinTicket.from_json(t.to_json()) == t
+
+
+def test_requests_decided_alike_latest_request_of_a_rank_wins() -> None:
+    store, keys = dist.HashStore(), StoreKeys()
+    for rank in (1, 2, 1, 0, 9):  # rank 1 filed twice (it died again), 0 is a member, 9 runs no worker
+        file_request(store, keys, rank)
+    accepted = decide_requests(store, keys, upto=5, after=0, members=[0, 3], job_ranks=[0, 1, 2, 3])
+    assert accepted == {2: 2, 3: 1}
+    write_tickets(store, keys, 5, 0, accepted, epoch=1, members=[0, 1, 2, 3], iteration=7, reporter=2)
+    tickets = [JoinTicket.from_json(store.get(keys.join_ticket(n))) for n in range(1, 6)]
+    assert [t.accepted for t in tickets] == [False, True, True, False, False]
+    assert all(t.iteration == 7 and t.joining == (1, 2) and t.admitted_upto == 5 for t in tickets)
+    assert decide_requests(store, keys, upto=5, after=5, members=[0], job_ranks=[0, 1]) == {}
+
+
+def test_redo_point_drops_a_member_without_the_snapshot() -> None:
+    # ranks 0, 2 hold iterations 5..7 and 6..8; rank 1 joined at 8; rank 3 joined but holds nothing yet
+    redo, members = redo_point({0: (5, 7), 1: (8, 8), 2: (6, 8), 3: (-1, -1)})
+    assert (redo, members) == (7, [0, 2])
+    assert redo_point({0: (3, 5), 1: (4, 5)}) == (5, [0, 1])
+    with pytest.raises(RuntimeError, match="no member holds"):
+        redo_point({0: (-1, -1)})
+
+
+def test_failure_probe_sees_a_member_restarted_after_its_exit_key_was_deleted() -> None:
+    store, keys = dist.HashStore(), StoreKeys()
+    probe = FailureProbe(store).arm([0, 1])
+    assert not probe.failed()
+    store.add(keys.exits, 1)  # rank 1 died ...
+    store.set(keys.restarted(1), "1")  # ... and the launcher restarted it (its exit key is gone again)
+    assert probe.failed()
+    assert not FailureProbe(store).arm([0, 1]).failed()  # a new epoch counts the restarted process as a member
+
+
+# ------------------------------------------------------------------------------------------------ jobs
+RESTART = ["--restart_failed_after", "1", "--max_restarts", "1"]
+
+
+def _run(tmp: Path, name: str, steps: int, kills: list[str], launcher_args: list[str]) -> tuple[Path, str, list]:
+    config = tiny_config(tmp, "c", 2, 2, failure_timeout_s=60.0)
+    out, metrics = tmp / f"{name}.pt", tmp / f"{name}.jsonl"
+    args = ["--deepspeed_config", str(config), "--steps", str(steps), "--save-final", str(out), "--metrics",
+            str(metrics)]
+    for k in kills:
+        args += ["--kill", k]
+    job = launch(4, args, timeout=240, launcher_args=launcher_args)
+    assert job.returncode == 0, job.output[-5000:]
+    return out, job.output, job.metrics(metrics)
+
+
+def _events(records: list[dict], kind: str) -> list[tuple[int, dict]]:
+    return [(r["iter"], e) for r in records for e in r["events"] if e["kind"] == kind]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_killed_worker_rejoins_then_its_peer_dies_same_model(tmp_path: Path) -> None:
+    """(1, 0) dies at iteration 2 and rejoins with state from (0, 0); later (0, 0) dies and the rejoined
+    worker carries stage 0 alone: every step of the way the model is the failure-free one."""
+    steps, second_kill = 140, 120
+    base, _, _ = _run(tmp_path, "base", steps, [], [])
+    out, output, records = _run(tmp_path, "k", steps, ["1:0@2:backward-input", f"0:0@{second_kill}:forward"],
+                                RESTART)
+    assert "joined the running job at iteration" in output, output[-4000:]
+    (joined_at, join), = _events(records, "rejoin")
+    assert join["ranks"] == [1] and join["workers"] == [[1, 0]] and 2 < joined_at < second_kill, join
+    assert join["members"] == [0, 1, 2, 3]
+    by_iter = {r["iter"]: r for r in records}
+    assert by_iter[joined_at - 1]["live_workers"] == 3 and by_iter[joined_at - 1]["rerouted_microbatches"] > 0
+    assert by_iter[joined_at]["live_workers"] == 4 and by_iter[joined_at]["rerouted_microbatches"] == 0
+    failures = _events(records, "failure")
+    assert [e["lost_workers"] for _, e in failures] == [[[1, 0]], [[0, 0]]], failures
+    assert records[-1]["live_workers"] == 3 and len(records) == steps
+    assert re.search(r"summary: rank 1 \(pid \d+, restart 1\) finished: exit code 0", output), output[-3000:]
+    assert_same_model(out, base)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_worker_restarted_after_training_ended_leaves_without_joining(tmp_path: Path) -> None:
+    _, output, records = _run(tmp_path, "late", 6, ["1:0@4:forward"], RESTART)
+    assert "not joining: training ended" in output, output[-4000:]
+    assert re.search(r"summary: rank 1 \(pid \d+, restart 1\) finished: exit code 0", output), output[-3000:]
+    assert len(records) == 6 and not _events(records, "rejoin")
