@@ -1,7 +1,7 @@
 """Goodput over a fixed wall-clock window with several worker failures: ds_recycle against vanilla DeepSpeed
 restarting from checkpoints, under the same failures (Linux: worker pids come from /proc).
 
-    PYTHONPATH=$PWD python benchmarks/goodput.py --window 180 --failures 45:1:0,90:1:1,135:0:0 \\
+    PYTHONPATH=$PWD python benchmarks/goodput.py --window 240 --failures 60:1:0,120:1:1,180:0:0 \\
         --restart-delay 5 --checkpoint-interval 5 --out benchmarks/results --name goodput-2026-11-30
 
 Both systems train the same config (default ``configs/gpt_cpu_2x2.json``) for ``--window`` seconds from the
@@ -48,40 +48,19 @@ from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, rank_of
 
 POLL_S = 0.1
 BIG_STEPS = 1_000_000
-
-
-@dataclass
-class Run:
-    """What one system did in the window."""
-
-    name: str
-    started_at: float
-    window_s: float
-    lives: list[list[dict[str, Any]]] = field(default_factory=list)
-    kills: list[Kill] = field(default_factory=list)
-    job_starts: list[float] = field(default_factory=list)
-    restarts: int = 0
-    progress: Progress | None = None
-    load_avg: tuple[float, float] = (0.0, 0.0)
-
-
-class Schedule:
-    """The failures still to come, as absolute times; one is due once its time has passed."""
-
-    def __init__(self, failures: list[Failure], t0: float, pipelines: int) -> None:
-        self.pending = [(t0 + f.offset_s, rank_of(f.pipeline, f.stage, pipelines)) for f in failures]
-
-    def fire(self, job: TrainJob | None) -> list[Kill]:
-        """SIGKILL every due victim that has a live process in ``job`` now; the others stay pending."""
-        done, kills = [], []
-        for item in self.pending:
-            if item[0] <= time.time() and job is not None:
-                kill = job.kill_rank(item[1])
-                if kill is not None:
-                    done.append(item)
-                    kills.append(kill)
-        self.pending = [p for p in self.pending if p not in done]
-        return kills
+STALL_S = 30.0
+"""A running job with no finished iteration for this long has stalled: its workers get SIGUSR1 (each writes its
+Python stacks into the job's log and carries on), once per stall."""
+def _watch(job: TrainJob, tail: MetricsTail, run: Run) -> None:
+    """Dump the workers' stacks (once per stall) when the running job has finished nothing for STALL_S."""
+    if tail.last is None:  # still starting up
+        return
+    last = tail.last["unix_time"]
+    if job.running and time.time() - last > STALL_S and not (run.stalls and run.stalls[-1] > last):
+        print(f"{run.name}: no iteration finished for {time.time() - last:.0f} s; SIGUSR1 stack dump to its "
+              f"workers, see {job.log}", flush=True)
+        job.dump_stacks()
+        run.stalls.append(time.time())
 
 
 def _script_args(args: argparse.Namespace, ckpt: Path, metrics: Path, vanilla: bool) -> list[str]:
@@ -118,6 +97,7 @@ def run_recycle(args: argparse.Namespace, failures: list[Failure], shape: tuple[
             if tail.poll():
                 writer_pid = job.pids().get(reporter)
             run.kills += schedule.fire(job)
+            _watch(job, tail, run)
             if not job.running:
                 raise SystemExit(f"ds_recycle's launcher exited early ({job.proc.returncode}); see {job.log}")
             time.sleep(POLL_S)
@@ -148,6 +128,7 @@ def run_vanilla(args: argparse.Namespace, failures: list[Failure], shape: tuple[
         while time.time() < end:
             tail.poll()
             kills = schedule.fire(job)
+            _watch(job, tail, run)
             if kills or not job.running:
                 if not kills:
                     raise SystemExit(f"vanilla's launcher exited without a failure ({job.proc.returncode}); "
@@ -194,7 +175,15 @@ def _summary(run: Run, tokens: int, interval: int) -> dict[str, Any]:
             "failures_detected": len(events_of_kind(run.lives, "failure")),
             "rejoins": len(events_of_kind(run.lives, "rejoin")),
             "rejoin_offsets_s": [e["time_s"] - run.started_at for e in events_of_kind(run.lives, "rejoin")],
-            "first_iteration_after_start_s": _startups(run), "load_avg_at_end": list(run.load_avg)}
+            "first_iteration_after_start_s": _startups(run), "longest_gap_s": _longest_gap(run),
+            "stack_dumps_at_s": [t - run.started_at for t in run.stalls], "load_avg_at_end": list(run.load_avg)}
+
+
+def _longest_gap(run: Run) -> float:
+    """Longest time without a finished iteration: between two records of a life, or before the first one."""
+    times = sorted([run.started_at, *(r["unix_time"] for life in run.lives for r in life),
+                    run.started_at + run.window_s])
+    return max(b - a for a, b in zip(times, times[1:]))
 
 
 def _startups(run: Run) -> list[float]:
@@ -219,6 +208,8 @@ ROWS = [("committed iterations at the end", "committed_iterations"), ("iteration
         ("failure-free iterations/s", "failure_free_iterations_per_s"), ("checkpoint cost, s", "checkpoint_cost_s"),
         ("failures injected", "kills_count"), ("failure offsets, s", "kill_offsets"),
         ("launch to first iteration, s", "first_iteration_after_start_s"),
+        ("longest time without progress, s", "longest_gap_s"),
+        ("stalls (stack dumps) at, s", "stack_dumps_at_s"),
         ("whole-job restarts", "job_restarts"), ("rank restarts by the launcher", "rank_restarts"),
         ("failures detected by survivors", "failures_detected"), ("rejoins", "rejoins"),
         ("rejoin offsets, s", "rejoin_offsets_s"), ("load average (1, 5 min) at end", "load_avg_at_end")]
@@ -286,9 +277,9 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO / "configs" / "gpt_cpu_2x2.json"))
-    p.add_argument("--window", type=float, default=180.0, help="wall-clock window per system, s (default 180)")
-    p.add_argument("--failures", default="45:1:0,90:1:1,135:0:0",
-                   help="SECONDS:PIPELINE:STAGE,... offsets from the launch (default 45:1:0,90:1:1,135:0:0)")
+    p.add_argument("--window", type=float, default=240.0, help="wall-clock window per system, s (default 240)")
+    p.add_argument("--failures", default="60:1:0,120:1:1,180:0:0",
+                   help="SECONDS:PIPELINE:STAGE,... offsets from the launch (default 60:1:0,120:1:1,180:0:0)")
     p.add_argument("--restart-delay", type=float, default=5.0, help="R: seconds before a restart, both systems")
     p.add_argument("--checkpoint-interval", type=int, default=5, help="checkpoint every N iterations, both systems")
     p.add_argument("--only", choices=("recycle", "vanilla"), default=None, help="run one system only")

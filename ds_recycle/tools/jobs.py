@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Sequence
 
-from ds_recycle.tools.procs import descendants, scan_proc, worker_pids
+from ds_recycle.tools.procs import catches, descendants, scan_proc, worker_pids
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,19 @@ class TrainJob:
             return None
         logger.info("SIGKILL to rank %d (pid %d)", rank, pid)
         return Kill(time.time(), rank, pid)
+
+    def dump_stacks(self) -> list[int]:
+        """SIGUSR1 to every worker that handles it: ``launch/train.py`` then writes every thread's Python stack
+        to its stderr (the job's log) and carries on. For diagnosing a stalled job; the ranks signalled. (A
+        process still starting, without the handler yet, would die of SIGUSR1: it is left alone.)"""
+        pids = {r: pid for r, pid in self.pids().items() if catches(pid, signal.SIGUSR1)}
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        logger.warning("SIGUSR1 (stack dump) to ranks %s of %s", sorted(pids), self.launcher.value)
+        return sorted(pids)
 
     def wait(self, timeout_s: float) -> int | None:
         """The launcher's exit status, or None if it still runs after ``timeout_s``."""

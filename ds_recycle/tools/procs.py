@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["ProcInfo", "parse_stat", "parse_environ", "descendants", "rank_pids", "scan_proc", "worker_pids"]
+__all__ = ["ProcInfo", "parse_stat", "parse_environ", "caught_signals", "catches", "descendants", "rank_pids", "scan_proc", "worker_pids"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,23 @@ def parse_environ(raw: bytes) -> dict[str, str]:
         if sep and key:
             env[key.decode(errors="replace")] = value.decode(errors="replace")
     return env
+
+
+def caught_signals(status_text: str) -> frozenset[int]:
+    """Signal numbers a process has handlers for, from the ``SigCgt`` mask of ``/proc/<pid>/status``."""
+    for line in status_text.splitlines():
+        if line.startswith("SigCgt:"):
+            mask = int(line.split()[1], 16)
+            return frozenset(n + 1 for n in range(64) if mask >> n & 1)
+    raise ValueError("no SigCgt line: not a /proc/<pid>/status text")
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` now (False if it is gone); Linux."""
+    try:
+        return signum in caught_signals(Path(f"/proc/{pid}/status").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _rank(env: Mapping[str, str]) -> int | None:

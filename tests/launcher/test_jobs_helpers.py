@@ -128,3 +128,12 @@ def test_parse_failures_sorts_and_rejects_bad_items_with_the_fix() -> None:
 def test_rank_of_is_deepspeeds_stage_major_layout() -> None:
     assert [rank_of(p, s, 2) for s in range(2) for p in range(2)] == [0, 1, 2, 3]
     assert rank_of(1, 2, 3) == 7
+
+
+def test_caught_signals_reads_the_sigcgt_mask() -> None:
+    from ds_recycle.tools.procs import caught_signals
+
+    status = "Name:\tpython3\nSigBlk:\t0000000000000000\nSigCgt:\t0000000180000202\n"
+    assert caught_signals(status) == frozenset({2, 10, 32, 33})  # SIGINT, SIGUSR1, and two real-time signals
+    with pytest.raises(ValueError, match="SigCgt"):
+        caught_signals("Name:\tx\n")
