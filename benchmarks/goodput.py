@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from ds_recycle.config import load_config  # noqa: E402
 from ds_recycle.tools.goodput import (Failure, Progress, checkpoint_cost, events_of_kind,  # noqa: E402
-                                      latest_checkpoint, parse_failures, progress, steady_rate)
+                                      fallback_times, latest_checkpoint, parse_failures, progress, steady_rate)
 from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, rank_of  # noqa: E402
 
 POLL_S = 0.1
@@ -51,8 +51,69 @@ BIG_STEPS = 1_000_000
 STALL_S = 30.0
 """A running job with no finished iteration for this long has stalled: its workers get SIGUSR1 (each writes its
 Python stacks into the job's log and carries on), once per stall."""
-def _watch(job: TrainJob, tail: MetricsTail, run: Run) -> None:
-    """Dump the workers' stacks (once per stall) when the running job has finished nothing for STALL_S."""
+
+
+@dataclass
+class Run:
+    """What one system did in the window."""
+
+    name: str
+    started_at: float
+    window_s: float
+    lives: list[list[dict[str, Any]]] = field(default_factory=list)
+    kills: list[Kill] = field(default_factory=list)
+    job_starts: list[float] = field(default_factory=list)
+    restarts: int = 0
+    progress: Progress | None = None
+    load_avg: tuple[float, float] = (0.0, 0.0)
+    stalls: list[float] = field(default_factory=list)
+    """Unix times at which the job had made no progress for STALL_S and its workers' stacks were dumped."""
+    next_guard: float = 0.0
+    runaways: list[dict[str, float]] = field(default_factory=list)
+    """Workers SIGKILLed by the memory guard (offset, rank, resident GiB): failures the schedule did not plan."""
+
+
+class Schedule:
+    """The failures still to come, as absolute times; one is due once its time has passed."""
+
+    def __init__(self, failures: list[Failure], t0: float, pipelines: int) -> None:
+        self.pending = [(t0 + f.offset_s, rank_of(f.pipeline, f.stage, pipelines)) for f in failures]
+
+    def fire(self, job: TrainJob | None) -> list[Kill]:
+        """SIGKILL every due victim that has a live process in ``job`` now; the others stay pending."""
+        done, kills = [], []
+        for item in self.pending:
+            if item[0] <= time.time() and job is not None:
+                kill = job.kill_rank(item[1])
+                if kill is not None:
+                    done.append(item)
+                    kills.append(kill)
+        self.pending = [p for p in self.pending if p not in done]
+        return kills
+
+
+def _guard_memory(job: TrainJob, run: Run, limit_gib: float) -> None:
+    """SIGKILL (after a stack dump) a worker whose resident memory passed ``limit_gib``: on a shared machine a
+    runaway worker would otherwise wait for the kernel's OOM killer, which may pick someone else's process.
+    Looks once a second."""
+    if time.time() < run.next_guard:
+        return
+    run.next_guard = time.time() + 1.0
+    for rank, rss in job.worker_rss().items():
+        if rss > limit_gib * 2**30:
+            print(f"{run.name}: rank {rank} holds {rss / 2**30:.1f} GiB (> {limit_gib:g}); stack dump, then SIGKILL",
+                  flush=True)
+            job.dump_stacks()
+            time.sleep(2.0)
+            kill = job.kill_rank(rank)
+            if kill is not None:
+                run.runaways.append({"offset_s": kill.time_s - run.started_at, "rank": rank, "gib": rss / 2**30})
+
+
+def _watch(job: TrainJob, tail: MetricsTail, run: Run, limit_gib: float) -> None:
+    """Dump the workers' stacks (once per stall) when the running job has finished nothing for STALL_S; guard
+    the machine's memory."""
+    _guard_memory(job, run, limit_gib)
     if tail.last is None:  # still starting up
         return
     last = tail.last["unix_time"]
@@ -85,24 +146,22 @@ def run_recycle(args: argparse.Namespace, failures: list[Failure], shape: tuple[
     stages, pipelines = shape
     work = _fresh(Path(args.workdir) / "recycle")
     metrics = work / "metrics.jsonl"
-    reporter = rank_of(0, stages - 1, pipelines)
     job = TrainJob.start(Launcher.RECYCLE, stages * pipelines, _script_args(args, work / "ckpt", metrics, False),
                          work / "launcher.log", ["--restart_failed_after", str(args.restart_delay),
                                                  "--max_restarts", "50"])
-    run = Run("ds_recycle", job.started_at, args.window, job_starts=[job.started_at])
-    schedule, tail = Schedule(failures, job.started_at, pipelines), MetricsTail(metrics)
-    writer_pid = None
     with job:
+        run = Run("ds_recycle", job.started_at, args.window, job_starts=[job.started_at])
+        schedule, tail = Schedule(failures, job.started_at, pipelines), MetricsTail(metrics)
         while time.time() < job.started_at + args.window:
-            if tail.poll():
-                writer_pid = job.pids().get(reporter)
+            tail.poll()
             run.kills += schedule.fire(job)
-            _watch(job, tail, run)
+            _watch(job, tail, run, args.max_worker_gib)
             if not job.running:
                 raise SystemExit(f"ds_recycle's launcher exited early ({job.proc.returncode}); see {job.log}")
             time.sleep(POLL_S)
         tail.poll()
-        alive = writer_pid is not None and job.pids().get(reporter) == writer_pid
+        last = tail.last["unix_time"] if tail.last is not None else job.started_at
+        alive = job.running and not any(t > last for t in fallback_times(job.output()))  # else: back to checkpoint
         run.load_avg = os.getloadavg()[:2]
     run.lives, run.restarts = tail.lives, job.output().count("restarted rank")
     run.progress = progress(tail.lives, alive, _read_latest(work / "ckpt"))
@@ -121,14 +180,14 @@ def run_vanilla(args: argparse.Namespace, failures: list[Failure], shape: tuple[
     stages, pipelines = shape
     work = _fresh(Path(args.workdir) / "vanilla")
     job, tail = _vanilla_life(args, work, 0, stages * pipelines)
-    run = Run("vanilla DeepSpeed", job.started_at, args.window, job_starts=[job.started_at])
-    end = job.started_at + args.window
-    schedule, tails = Schedule(failures, job.started_at, pipelines), [tail]
     try:
+        run = Run("vanilla DeepSpeed", job.started_at, args.window, job_starts=[job.started_at])
+        end = job.started_at + args.window
+        schedule, tails = Schedule(failures, job.started_at, pipelines), [tail]
         while time.time() < end:
             tail.poll()
             kills = schedule.fire(job)
-            _watch(job, tail, run)
+            _watch(job, tail, run, args.max_worker_gib)
             if kills or not job.running:
                 if not kills:
                     raise SystemExit(f"vanilla's launcher exited without a failure ({job.proc.returncode}); "
@@ -176,7 +235,8 @@ def _summary(run: Run, tokens: int, interval: int) -> dict[str, Any]:
             "rejoins": len(events_of_kind(run.lives, "rejoin")),
             "rejoin_offsets_s": [e["time_s"] - run.started_at for e in events_of_kind(run.lives, "rejoin")],
             "first_iteration_after_start_s": _startups(run), "longest_gap_s": _longest_gap(run),
-            "stack_dumps_at_s": [t - run.started_at for t in run.stalls], "load_avg_at_end": list(run.load_avg)}
+            "stack_dumps_at_s": [t - run.started_at for t in run.stalls],
+            "memory_runaways": [f"rank {int(r['rank'])} {r['gib']:.1f} GiB at {r['offset_s']:.0f} s" for r in run.runaways], "load_avg_at_end": list(run.load_avg)}
 
 
 def _longest_gap(run: Run) -> float:
@@ -210,6 +270,7 @@ ROWS = [("committed iterations at the end", "committed_iterations"), ("iteration
         ("launch to first iteration, s", "first_iteration_after_start_s"),
         ("longest time without progress, s", "longest_gap_s"),
         ("stalls (stack dumps) at, s", "stack_dumps_at_s"),
+        ("memory runaways (killed)", "memory_runaways"),
         ("whole-job restarts", "job_restarts"), ("rank restarts by the launcher", "rank_restarts"),
         ("failures detected by survivors", "failures_detected"), ("rejoins", "rejoins"),
         ("rejoin offsets, s", "rejoin_offsets_s"), ("load average (1, 5 min) at end", "load_avg_at_end")]
@@ -282,6 +343,9 @@ def _parse() -> argparse.Namespace:
                    help="SECONDS:PIPELINE:STAGE,... offsets from the launch (default 60:1:0,120:1:1,180:0:0)")
     p.add_argument("--restart-delay", type=float, default=5.0, help="R: seconds before a restart, both systems")
     p.add_argument("--checkpoint-interval", type=int, default=5, help="checkpoint every N iterations, both systems")
+    p.add_argument("--max-worker-gib", type=float, default=3.0,
+                   help="a worker holding more resident memory is stack-dumped and SIGKILLed (default 3 GiB; a "
+                        "healthy worker of the default config holds well under 1 GiB)")
     p.add_argument("--only", choices=("recycle", "vanilla"), default=None, help="run one system only")
     p.add_argument("--out", default=str(REPO / "runs" / "goodput"), help="folder of the table, JSON and PNG")
     p.add_argument("--name", default="goodput", help="file name stem of the outputs")

@@ -13,11 +13,13 @@ checkpoint. Each record says the iteration ``iter`` finished at ``unix_time``.
 """
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Failure", "parse_failures", "Progress", "progress", "steady_rate", "checkpoint_cost", "events_of_kind", "latest_checkpoint"]
+__all__ = ["Failure", "parse_failures", "Progress", "progress", "steady_rate", "checkpoint_cost", "events_of_kind", "latest_checkpoint",
+           "fallback_times"]
 
 Record = Mapping[str, Any]
 
@@ -139,3 +141,17 @@ def latest_checkpoint(latest_text: str | None) -> int:
     if not text.startswith("iter") or not text[4:].isdigit():
         raise ValueError(f"checkpoint 'latest' holds {text!r}; expected 'iter<N>'")
     return int(text[4:])
+
+
+_FALLBACK = re.compile(r"'kind': 'fallback', 'time_s': ([0-9.]+)")
+
+
+def fallback_times(log_text: str) -> list[float]:
+    """Unix times of the ``fallback`` events the workers logged (``event {...}`` lines of a ds_recycle job's
+    log): a whole stage was lost and the job went back to its checkpoint. The survivors leave right after, so
+    the event may never reach the metrics file."""
+    kept: list[float] = []
+    for t in sorted(float(m.group(1)) for m in _FALLBACK.finditer(log_text)):
+        if not kept or t - kept[-1] > 1.0:  # each survivor logs the same fallback within a second
+            kept.append(t)
+    return kept

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Sequence
 
-from ds_recycle.tools.procs import catches, descendants, scan_proc, worker_pids
+from ds_recycle.tools.procs import catches, descendants, rss_bytes, scan_proc, worker_pids
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,16 @@ class TrainJob:
                 pass
         logger.warning("SIGUSR1 (stack dump) to ranks %s of %s", sorted(pids), self.launcher.value)
         return sorted(pids)
+
+    def worker_rss(self) -> dict[int, int]:
+        """``rank -> resident bytes`` of the live workers."""
+        found = {}
+        for rank, pid in self.pids().items():
+            try:
+                found[rank] = rss_bytes(Path(f"/proc/{pid}/status").read_text())
+            except OSError:
+                pass
+        return found
 
     def wait(self, timeout_s: float) -> int | None:
         """The launcher's exit status, or None if it still runs after ``timeout_s``."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["ProcInfo", "parse_stat", "parse_environ", "caught_signals", "catches", "descendants", "rank_pids", "scan_proc", "worker_pids"]
+__all__ = ["ProcInfo", "parse_stat", "parse_environ", "caught_signals", "catches", "rss_bytes", "descendants", "rank_pids", "scan_proc", "worker_pids"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,17 @@ def catches(pid: int, signum: int) -> bool:
         return signum in caught_signals(Path(f"/proc/{pid}/status").read_text())
     except (OSError, ValueError):
         return False
+
+
+def rss_bytes(status_text: str) -> int:
+    """Resident memory from the ``VmRSS`` line of ``/proc/<pid>/status`` (0 when absent: a zombie)."""
+    for line in status_text.splitlines():
+        if line.startswith("VmRSS:"):
+            value, unit = line.split()[1:3]
+            if unit != "kB":
+                raise ValueError(f"VmRSS in {unit!r}, expected kB")
+            return int(value) * 1024
+    return 0
 
 
 def _rank(env: Mapping[str, str]) -> int | None:

@@ -137,3 +137,22 @@ def test_caught_signals_reads_the_sigcgt_mask() -> None:
     assert caught_signals(status) == frozenset({2, 10, 32, 33})  # SIGINT, SIGUSR1, and two real-time signals
     with pytest.raises(ValueError, match="SigCgt"):
         caught_signals("Name:\tx\n")
+
+
+def test_fallback_times_reads_the_workers_event_lines_once_per_event() -> None:
+    from ds_recycle.tools.goodput import fallback_times
+
+    log = ("[rank 1] [rank 1] 20:08:22 WARNING ds_recycle.resilience.runner: event {'kind': 'fallback', "
+           "'time_s': 1796069302.99, 'reason': 'stage 0 lost', 'generation': 1}\n"
+           "[rank 3] [rank 3] 20:08:22 WARNING ds_recycle.resilience.runner: event {'kind': 'fallback', "
+           "'time_s': 1796069303.01, 'reason': 'stage 0 lost', 'generation': 1}\n"
+           "[rank 3] event {'kind': 'failure', 'time_s': 1796069300.0}\n")
+    assert fallback_times(log) == [1796069302.99]
+    assert fallback_times("") == []
+
+
+def test_rss_bytes_reads_vmrss_in_kib() -> None:
+    from ds_recycle.tools.procs import rss_bytes
+
+    assert rss_bytes("Name:\tpython\nVmRSS:\t  438908 kB\nVmSwap:\t0 kB\n") == 438908 * 1024
+    assert rss_bytes("Name:\tzombie\n") == 0
