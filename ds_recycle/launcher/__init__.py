@@ -7,10 +7,12 @@ reports every exit, and exits non-zero only if the job as a whole failed::
 
     ds-recycle launch --num_accelerators 4 train.py --deepspeed_config cfg.json
     python -m ds_recycle launch --num_gpus 4 --master_port 0 --log_ranks 0 train.py
+    ds-recycle restart --master_addr 127.0.0.1 --master_port 29500 2      # rank 2 was lost: start it again now
 
 Files: :mod:`.cli` (options), :mod:`.hosts` (hostfile, ``--include``/``--exclude``), :mod:`.job` (command
 line and environment of each rank), :mod:`.worker` (one process), :mod:`.policy` (exit rules, as functions),
-:mod:`.supervisor` (the loop), :mod:`.store` (the store and its keys), :mod:`.remote` (ssh commands).
+:mod:`.supervisor` (the loop), :mod:`.store` (the store and its keys), :mod:`.remote` (ssh commands),
+:mod:`.restart_requests` (the rule for restarts on command) and :mod:`.restart_cmd` (``ds-recycle restart``).
 
 **Environment of each worker.** The env:// contract (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, plus `deepspeed`'s ``LOCAL_SIZE``, ``CROSS_RANK``,
@@ -34,13 +36,33 @@ the script's arguments, as `deepspeed` does, unless ``--no_local_rank``; ``torch
 of the rank's exit (negative: killed by that signal; deleted when the rank is restarted); ``ds_recycle/exits`` = a counter of exits (the
 launcher sees a death first and writes both within milliseconds, so a worker can poll the counter);
 ``ds_recycle/restarted/<rank>`` = how many times the rank was restarted; ``ds_recycle/stop`` = why the job is
-being stopped.
+being stopped; ``ds_recycle/world_size``; ``ds_recycle/restart_request/<rank>``, the counter
+``ds_recycle/restart_requests`` and ``ds_recycle/restart_result/<rank>`` carry restarts on command.
 
 **Exit rules** (:mod:`.policy`): a signal death or exit code 75 is a tolerated loss; another non-zero code
 fails the job and the others are stopped after ``--error_grace`` seconds; ``--strict`` stops everything on
 any death, as `deepspeed` and ``torchrun`` do. SIGINT/SIGTERM to the launcher are forwarded to every worker,
 which gets ``--kill_grace`` seconds before SIGKILL; a SIGKILLed launcher takes its workers with it on Linux
 (``PR_SET_PDEATHSIG``); no process is left behind.
+
+**Restart on command.** Without ``--restart_failed_after``, a lost rank stays down until someone asks for
+it; the job goes on without it, and still ends when its last running worker ends (it never waits for a
+command)::
+
+    ds-recycle restart --master_addr ADDR --master_port PORT RANK [RANK ...] [--timeout 30]
+
+``ADDR:PORT`` is the job's store (the launcher logs ``store at ADDR:PORT``). The command writes
+``ds_recycle/restart_request/<rank>`` and bumps ``ds_recycle/restart_requests``; the launcher that runs the
+rank (node 0's, or a remote node's for its own ranks) sees it at its next store poll (0.25 s) and restarts the
+rank at once, through the same path as a timed restart (``ds_recycle/restarted/<rank>`` written, the exit key
+deleted, ``DS_RECYCLE_RESTART_COUNT`` = the new count), iff the rank was *lost*, no timed restart of it is
+due, the job is not stopping, and ``--max_restarts`` (shared by timed and commanded restarts) allows it.
+Otherwise it refuses: rank running, finished, failed with an error, out of restarts, restart already due,
+job stopping. Either way it logs the answer, writes it to ``ds_recycle/restart_result/<rank>`` and deletes
+the request; the command prints it and exits 0 iff every rank was restarted (1: refused or no answer within
+``--timeout``; 2: bad input, e.g. a negative rank, a rank outside the job, no job's store at that address).
+A node other than 0 whose workers have all exited stays up while one of its ranks could still be restarted
+and some rank of the job runs elsewhere, so that it can take the command; node 0 already waits for every rank.
 
 **Several hosts** (``--hostfile``, ``--include``/``--exclude``, ``--num_nodes``): node 0 is the first host of
 the layout and must be the host where ``ds-recycle launch`` is run; it hosts the store and starts, for every
@@ -54,7 +76,8 @@ from every rank's exit key.
 
 What is tested: all of the above on one machine with two launchers as two "nodes" (a hostfile naming
 ``localhost`` and ``127.0.0.1``): with ``--no_ssh``, cross-launcher rendezvous, remote exit records, node 0's
-job status, an error on node 1 stopping node 0, node 1 stopping its workers when node 0 is SIGKILLed; and
+job status, an error on node 1 stopping node 0, node 1 stopping its workers when node 0 is SIGKILLed, node 1
+restarting its own rank on command; and
 node 0 starting node 1 through its generated ssh command line, run by a stand-in ``ssh`` that executes the
 command locally. **Never run: real ssh and two real machines**, i.e. passwordless login, the same working
 directory and interpreter path on every host, the store reached over a real network at ``--master_addr``

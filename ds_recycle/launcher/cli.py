@@ -5,6 +5,7 @@
     ds-recycle launch --hostfile hosts --include "worker-0@worker-1:0,1" --master_addr 10.0.0.1 train.py
     ds-recycle launch --strict --module my_pkg.train --steps 10       # --strict: any death stops the job
     ds-recycle launch --dry_run --hostfile hosts train.py        # print the layout and the commands only
+    ds-recycle restart --master_port 29500 3      # start lost rank 3 of the running job again, now
 
 See :mod:`ds_recycle.launcher` for the environment each worker gets and the exit rules.
 """
@@ -71,8 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="after a worker's error exit, seconds the others get before SIGTERM (default 30)")
     fail.add_argument("--kill_grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL (default 5)")
     fail.add_argument("--restart_failed_after", type=float, default=None,
-                      help="start a lost rank again after this many seconds (default: never)")
-    fail.add_argument("--max_restarts", type=int, default=3, help="restarts per rank (default 3)")
+                      help="start a lost rank again after this many seconds (default: never; a lost rank then "
+                           "stays down until `ds-recycle restart RANK`)")
+    fail.add_argument("--max_restarts", type=int, default=3,
+                      help="restarts per rank, timed or on command (default 3)")
 
     parser.add_argument("user_script", help="the training script (a module with --module, an executable with --no_python)")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's own arguments")

@@ -5,7 +5,8 @@ The rule (``--strict`` off, the default):
 * exit code 0: the worker finished; the others carry on.
 * killed by a signal, or exit code 75 (:data:`~ds_recycle.launcher.worker.LOST_EXIT_CODE`): the worker is
   *lost*, a tolerated failure. The others are never signalled because of it: surviving it is their job. With
-  ``--restart_failed_after S`` the rank is started again S seconds later (at most ``--max_restarts`` times).
+  ``--restart_failed_after S`` the rank is started again S seconds later (at most ``--max_restarts`` times);
+  without it, the rank stays down until ``ds-recycle restart`` asks for it (:mod:`.restart_requests`).
 * any other non-zero code: an *error*. The job has failed. The others get ``--error_grace`` seconds to exit by
   themselves (a survivor that notices may save state and exit), then SIGTERM, then SIGKILL ``--kill_grace``
   seconds later. Why stop them at all: a rank-local error (a bad path, a bug on one rank) would otherwise leave

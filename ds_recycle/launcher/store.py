@@ -2,18 +2,29 @@
 
 Keys the launchers write (the failure handler of the workers reads them; all values are UTF-8 text):
 
-=============================  =====================================================================
-``ds_recycle/exit/<rank>``     return code of the rank's exit: ``"0"``, ``"1"``, ``"-9"`` (negative: the
-                               signal that killed it). Written the moment its launcher reaps it; deleted
-                               when the rank is restarted, so the key exists iff the rank's process is gone.
-``ds_recycle/exits``           counter (``store.add``) of exits so far, over all ranks and restarts; a worker
-                               can poll it cheaply and read the ``exit/<rank>`` keys when it changes.
-``ds_recycle/restarted/<r>``   ``"<n>"``: rank r was started again for the n-th time (written just before).
-``ds_recycle/node/<k>``        host name of node k's launcher, written when it has connected (nodes > 0).
-``ds_recycle/stop``            reason text: a launcher is stopping the whole job. Every launcher polls it
-                               (every 0.25 s) and stops its own workers; a worker may read it, or set it
-                               to stop the job.
-=============================  =====================================================================
+==================================  ==============================================================================
+``ds_recycle/exit/<rank>``          return code of the rank's exit: ``"0"``, ``"1"``, ``"-9"`` (negative: the
+                                    signal that killed it). Written the moment its launcher reaps it; deleted
+                                    when the rank is restarted, so the key exists iff the rank's process is gone.
+``ds_recycle/exits``                counter (``store.add``) of exits so far, over all ranks and restarts; a worker
+                                    can poll it cheaply and read the ``exit/<rank>`` keys when it changes.
+``ds_recycle/restarted/<r>``        ``"<n>"``: rank r was started again for the n-th time (written just before).
+``ds_recycle/node/<k>``             host name of node k's launcher, written when it has connected (nodes > 0).
+``ds_recycle/stop``                 reason text: a launcher is stopping the whole job. Every launcher polls it
+                                    (every 0.25 s) and stops its own workers; a worker may read it, or set it
+                                    to stop the job.
+``ds_recycle/world_size``           ``"<n>"``: the job's number of ranks, written by node 0 before it starts
+                                    any worker (``ds-recycle restart`` checks its ranks against it).
+``ds_recycle/restart_request/<r>``  a request id (one line of text): "restart rank r now". Written with
+                                    ``compare_set`` (one pending request per rank), then ``restart_requests`` is
+                                    incremented; the launcher that runs rank r answers within 0.25 s and then
+                                    deletes the key. ``ds-recycle restart`` writes it.
+``ds_recycle/restart_requests``     counter (``store.add``) of restart requests so far: each launcher polls
+                                    it and reads its ranks' request keys only when it has changed.
+``ds_recycle/restart_result/<r>``   the answer to the latest request for rank r: the JSON of a
+                                    :class:`~ds_recycle.launcher.restart_requests.RestartResult` (request id,
+                                    restarted or refused and why, the new pid, the restart count).
+==================================  ==============================================================================
 
 Workers reach the store at ``DS_RECYCLE_STORE`` (``host:port``, the same as ``MASTER_ADDR:MASTER_PORT``);
 torch's env:// rendezvous connects to it as a client because the launcher sets
@@ -22,13 +33,18 @@ torch's env:// rendezvous connects to it as a client because the launcher sets
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-from torch.distributed import Store, TCPStore
+if TYPE_CHECKING:  # torch is imported only when a store is opened, so the key names cost nothing to import
+    from torch.distributed import Store, TCPStore
 
-__all__ = ["EXITS_KEY", "STOP_KEY", "exit_key", "node_key", "restarted_key", "host_store", "connect_store", "read_int"]
+__all__ = ["EXITS_KEY", "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY", "connect_store", "exit_key",
+           "host_store", "node_key", "read_int", "restart_request_key", "restart_result_key", "restarted_key"]
 
 EXITS_KEY = "ds_recycle/exits"
 STOP_KEY = "ds_recycle/stop"
+WORLD_SIZE_KEY = "ds_recycle/world_size"
+RESTART_REQUESTS_KEY = "ds_recycle/restart_requests"
 
 
 def exit_key(rank: int) -> str:
@@ -43,8 +59,18 @@ def restarted_key(rank: int) -> str:
     return f"ds_recycle/restarted/{rank}"
 
 
+def restart_request_key(rank: int) -> str:
+    return f"ds_recycle/restart_request/{rank}"
+
+
+def restart_result_key(rank: int) -> str:
+    return f"ds_recycle/restart_result/{rank}"
+
+
 def host_store(addr: str, port: int, timeout_s: float) -> TCPStore:
     """Start the store's server in this process (``port`` 0 picks a free one: read ``store.port``)."""
+    from torch.distributed import TCPStore
+
     try:
         return TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
     except (RuntimeError, OSError) as err:
@@ -54,6 +80,8 @@ def host_store(addr: str, port: int, timeout_s: float) -> TCPStore:
 
 def connect_store(addr: str, port: int, timeout_s: float) -> TCPStore:
     """Connect to node 0's store as a client (remote launchers), waiting up to ``timeout_s`` for it."""
+    from torch.distributed import TCPStore
+
     try:
         return TCPStore(addr, port, None, False, timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as err:

@@ -2,8 +2,10 @@
 
 One :class:`Supervisor` runs per node, in the launcher's main thread. It sleeps until a child exits or a
 signal arrives (``SIGCHLD`` through :func:`signal.set_wakeup_fd`, so a death is seen within milliseconds), or
-until its next timer (a restart, the end of a grace period, the poll of the store's stop key). The reaction
-to each exit is :func:`ds_recycle.launcher.policy.decide`; this module only carries it out.
+until its next timer (a restart, the end of a grace period, the poll of the store). The reaction to each
+exit is :func:`ds_recycle.launcher.policy.decide`, and the answer to each restart request (``ds-recycle
+restart``) is :func:`ds_recycle.launcher.restart_requests.judge_restart_request`; this module only carries
+them out. The store poll (every 0.25 s) reads the stop key and the restart-request counter.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.job import JobSpec
 from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
+from ds_recycle.launcher.restart_requests import (RankState, RestartResult, explain_refusal,
+                                                  judge_restart_request)
 from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
 
 __all__ = ["Supervisor"]
@@ -104,12 +108,16 @@ class Supervisor:
         self._remote_kill_at: float | None = None
         self._signal: signal.Signals | None = None
         self._next_stop_poll = 0.0
+        self._requests_seen = 0
+        self._lingering = False
         self._t0 = time.monotonic()
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> int:
         try:
             with _Wakeup() as wake:
+                if self.hosts_store:
+                    self.store.set(keys.WORLD_SIZE_KEY, str(self.job.layout.world_size))
                 for worker in self._children():
                     worker.start()
                     logger.info("started %s as pid %s", worker.spec.name, worker.pid)
@@ -131,7 +139,27 @@ class Supervisor:
         if any(w.running for w in self._children()) or self._restart_at or self._others_pending:
             return True
         # several nodes: an error must still reach the other nodes (as ds_recycle/stop) when its grace ends
-        return self._error_deadline is not None and len(self.job.layout.nodes) > 1
+        if self._error_deadline is not None and len(self.job.layout.nodes) > 1:
+            return True
+        return self._waits_for_restart_command()
+
+    def _waits_for_restart_command(self) -> bool:
+        """A node other than 0 whose workers have all exited stays up while one of its ranks could be restarted
+        on command and some rank of the job still runs elsewhere (node 0 already waits for every rank)."""
+        was, self._lingering = self._lingering, False
+        if self.hosts_store or self._store_lost or self._stop_reason is not None:
+            return False
+        restartable = [r for r in sorted(self.workers)
+                       if judge_restart_request(self._rank_state(r), self.job.policy) is None]
+        try:
+            self._lingering = bool(restartable) and not self.store.check(
+                [keys.exit_key(r) for r in range(self.job.layout.world_size)])
+        except (RuntimeError, OSError):
+            return False  # node 0 and its store are gone: so is the job
+        if self._lingering and not was:
+            logger.info("no worker of this node runs; rank(s) %s can be restarted on command (`ds-recycle restart`) "
+                        "while other ranks of the job run", restartable)
+        return self._lingering
 
     def _children(self) -> list[Worker]:
         return [*self.workers.values(), *self.remotes]
@@ -217,12 +245,16 @@ class Supervisor:
         try:
             if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
                 self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
+            self._poll_restart_requests()
             if self.others is not None:
                 self._poll_others(self.others)
         except (RuntimeError, OSError) as err:
             if not self.hosts_store:
                 self._store_lost = True
-                if self._stop_reason is None:
+                idle = self._lingering and not self._restart_at and not any(w.running for w in self.workers.values())
+                if idle:  # only waiting for a restart command: node 0 ended, so did the job
+                    logger.info("the store of node 0 is gone (%s); no worker of this node runs: done", err)
+                elif self._stop_reason is None:
                     self._stop(f"lost the store of node 0 ({err})")
 
     def _poll_others(self, others: OtherNodes) -> None:
@@ -234,6 +266,52 @@ class Supervisor:
         was_pending, self._others_pending = self._others_pending, others.pending()
         if was_pending and not self._others_pending:
             logger.info("done waiting for the ranks of nodes %s", list(others.node_ranks))
+
+    def _poll_restart_requests(self) -> None:
+        """Answer the requests for this node's ranks when the request counter has moved since the last look."""
+        count = self.store.add(keys.RESTART_REQUESTS_KEY, 0)
+        if count == self._requests_seen:
+            return
+        self._requests_seen = count
+        self._reap()  # a rank that died a moment ago is judged by its exit, not as running
+        for rank in sorted(self.workers):
+            key = keys.restart_request_key(rank)
+            if self.store.check([key]):
+                self._answer_restart_request(rank, self.store.get(key).decode())
+                self.store.delete_key(key)
+
+    def _answer_restart_request(self, rank: int, request_id: str) -> None:
+        state = self._rank_state(rank)
+        refusal = judge_restart_request(state, self.job.policy)
+        if refusal is None:
+            self._restart(rank)
+            worker = self.workers[rank]
+            result = RestartResult(request_id, rank, None, f"restarted as pid {worker.pid} (restart "
+                                   f"{worker.restart_count} of at most {self.job.policy.max_restarts})",
+                                   worker.pid, worker.restart_count)
+            logger.info("rank %d: %s, on request %s", rank, result.message, request_id,
+                        extra={"event": "restart_request", "rank": rank, "request_id": request_id,
+                               "refusal": None, "pid": worker.pid, "restart_count": worker.restart_count})
+        else:
+            result = RestartResult(request_id, rank, refusal, explain_refusal(refusal, state, self.job.policy),
+                                   None, state.restart_count)
+            logger.warning("refused the restart request %s for rank %d (%s): %s", request_id, rank,
+                           refusal.value, result.message,
+                           extra={"event": "restart_request", "rank": rank, "request_id": request_id,
+                                  "refusal": refusal.value, "pid": None, "restart_count": state.restart_count})
+        self.store.set(keys.restart_result_key(rank), result.encode())
+
+    def _rank_state(self, rank: int) -> RankState:
+        worker = self.workers[rank]
+        last = next((e for e in reversed(self.exits) if e.rank == rank), None)
+        if last is not None and last.restart_count != worker.restart_count:
+            last = None  # the exit of an earlier run; the current run has not exited
+        due = self._restart_at.get(rank)
+        stopping = self._stop_reason
+        if stopping is None and self._error_deadline is not None:
+            stopping = f"a worker failed; the others are stopped in {self._error_deadline - time.monotonic():.1f} s"
+        return RankState(rank, worker.pid if worker.running else None, last, worker.restart_count,
+                         None if due is None else max(0.0, due - time.monotonic()), stopping)
 
     # ---- actions ----------------------------------------------------------------------------------------------
     def _restart(self, rank: int) -> None:

@@ -5,7 +5,8 @@ JSON Lines record (one per iteration)::
     {"iter": 7, "loss": 2.91, "iter_time_s": 0.41, "tokens_per_s": 5012.3,
      "live_workers": 4, "rerouted_microbatches": 0, "events": [], "time_s": 3.2}
 
-wandb receives the same numbers under grouped names with units (:data:`WANDB_KEYS`). wandb runs
+wandb receives the same numbers under grouped names with units (:data:`WANDB_KEYS`), each event's count and
+numeric details at its iteration, and a table of all events with their times at the end. wandb runs
 offline unless ``WANDB_MODE`` or ``--wandb`` says otherwise; offline runs land in
 ``$WANDB_DIR/wandb/offline-run-*`` and can be uploaded later with ``wandb sync``.
 """
@@ -22,7 +23,7 @@ from ds_recycle.train.runner import IterationResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MetricsWriter", "WANDB_KEYS"]
+__all__ = ["MetricsWriter", "WANDB_KEYS", "wandb_row"]
 
 WANDB_KEYS: dict[str, str] = {
     "loss": "train/loss",
@@ -31,6 +32,20 @@ WANDB_KEYS: dict[str, str] = {
     "live_workers": "resilience/live_workers",
     "rerouted_microbatches": "resilience/rerouted_microbatches",
 }
+
+
+def wandb_row(rec: dict[str, Any]) -> dict[str, float]:
+    """What one metrics record logs to wandb: the numbers of :data:`WANDB_KEYS`, and per event kind its count
+    (``events/<kind>``) and its numeric details (``events/<kind>/<field>``, e.g.
+    ``events/recovered/failure_to_full_iteration_s``)."""
+    row: dict[str, float] = {WANDB_KEYS[k]: rec[k] for k in WANDB_KEYS if rec.get(k) is not None}
+    for event in rec.get("events", ()):
+        kind = event["kind"]
+        row[f"events/{kind}"] = row.get(f"events/{kind}", 0) + 1
+        for key, value in event.items():
+            if key != "time_s" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                row[f"events/{kind}/{key}"] = value
+    return row
 
 
 class MetricsWriter:
@@ -47,6 +62,7 @@ class MetricsWriter:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a" if append else "w", encoding="utf-8")
         self._wandb: Any = None
+        self._events: list[list[Any]] = []
         if wandb_mode != "disabled":
             import wandb
 
@@ -64,13 +80,19 @@ class MetricsWriter:
             self._file.write(json.dumps(rec) + "\n")
             self._file.flush()
         if self._wandb is not None:
-            self._wandb.log({WANDB_KEYS[k]: rec[k] for k in WANDB_KEYS if rec[k] is not None}, step=iteration)
+            self._wandb.log(wandb_row(rec), step=iteration)
+            self._events += [[iteration, e["kind"], e["time_s"], json.dumps(e)] for e in result.events]
         return rec
 
     def close(self, summary: dict[str, Any]) -> None:
         if self._file:
             self._file.close()
         if self._wandb is not None:
+            if self._events:  # every event with its wall-clock time, as a table in the run
+                import wandb
+
+                self._wandb.log({"events/all": wandb.Table(columns=["iter", "kind", "time_s", "event"],
+                                                           data=self._events)})
             for key, value in summary.items():
                 self._wandb.summary[key] = value
             self._wandb.finish()
