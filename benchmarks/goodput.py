@@ -1,7 +1,7 @@
 """Goodput over a fixed wall-clock window with several worker failures: ds_recycle against vanilla DeepSpeed
 restarting from checkpoints, under the same failures (Linux: worker pids come from /proc).
 
-    PYTHONPATH=$PWD python benchmarks/goodput.py --window 240 --failures 60:1:0,120:1:1,180:0:0 \\
+    PYTHONPATH=$PWD python benchmarks/goodput.py --window 180 --failures 45:1:0,90:1:1,135:0:0 \\
         --restart-delay 5 --checkpoint-interval 5 --out benchmarks/results --name goodput-2026-11-30
 
 Both systems train the same config (default ``configs/gpt_cpu_2x2.json``) for ``--window`` seconds from the
@@ -20,7 +20,10 @@ launch of their first process. Each failure is a real SIGKILL, sent from outside
 
 Goodput = iterations the model holds at the end of the window x tokens per iteration / window (see
 :mod:`ds_recycle.tools.goodput`). Also reported: failure-free iteration rate (the stretch before the first
-failure, checkpoints included), checkpoint cost, failures, restarts, rejoins, iterations lost. Writes
+failure, checkpoints included), checkpoint cost, failures, restarts, rejoins, iterations lost, the longest
+time without progress. A job that stalls for 30 s gets its workers' stacks dumped into its log (SIGUSR1), and
+a worker above ``--max-worker-gib`` of memory is stack-dumped and SIGKILLed (reported as a runaway: on a shared
+machine the OOM killer might otherwise take someone else's process). Writes
 ``<name>.txt`` (the table), ``<name>.json`` and ``<name>.png`` (iterations held over time) under ``--out``;
 logs, metrics and checkpoints under ``--workdir``.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shutil
@@ -44,13 +48,10 @@ sys.path.insert(0, str(REPO))
 from ds_recycle.config import load_config  # noqa: E402
 from ds_recycle.tools.goodput import (Failure, Progress, checkpoint_cost, events_of_kind,  # noqa: E402
                                       fallback_times, latest_checkpoint, parse_failures, progress, steady_rate)
-from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, rank_of  # noqa: E402
+from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, Watchdog, rank_of  # noqa: E402
 
 POLL_S = 0.1
 BIG_STEPS = 1_000_000
-STALL_S = 30.0
-"""A running job with no finished iteration for this long has stalled: its workers get SIGUSR1 (each writes its
-Python stacks into the job's log and carries on), once per stall."""
 
 
 @dataclass
@@ -66,11 +67,8 @@ class Run:
     restarts: int = 0
     progress: Progress | None = None
     load_avg: tuple[float, float] = (0.0, 0.0)
-    stalls: list[float] = field(default_factory=list)
-    """Unix times at which the job had made no progress for STALL_S and its workers' stacks were dumped."""
-    next_guard: float = 0.0
-    runaways: list[dict[str, float]] = field(default_factory=list)
-    """Workers SIGKILLed by the memory guard (offset, rank, resident GiB): failures the schedule did not plan."""
+    watchdog: Watchdog = field(default_factory=Watchdog)
+    """Stack dumps of stalls; workers killed for runaway memory (failures the schedule did not plan)."""
 
 
 class Schedule:
@@ -90,38 +88,6 @@ class Schedule:
                     kills.append(kill)
         self.pending = [p for p in self.pending if p not in done]
         return kills
-
-
-def _guard_memory(job: TrainJob, run: Run, limit_gib: float) -> None:
-    """SIGKILL (after a stack dump) a worker whose resident memory passed ``limit_gib``: on a shared machine a
-    runaway worker would otherwise wait for the kernel's OOM killer, which may pick someone else's process.
-    Looks once a second."""
-    if time.time() < run.next_guard:
-        return
-    run.next_guard = time.time() + 1.0
-    for rank, rss in job.worker_rss().items():
-        if rss > limit_gib * 2**30:
-            print(f"{run.name}: rank {rank} holds {rss / 2**30:.1f} GiB (> {limit_gib:g}); stack dump, then SIGKILL",
-                  flush=True)
-            job.dump_stacks()
-            time.sleep(2.0)
-            kill = job.kill_rank(rank)
-            if kill is not None:
-                run.runaways.append({"offset_s": kill.time_s - run.started_at, "rank": rank, "gib": rss / 2**30})
-
-
-def _watch(job: TrainJob, tail: MetricsTail, run: Run, limit_gib: float) -> None:
-    """Dump the workers' stacks (once per stall) when the running job has finished nothing for STALL_S; guard
-    the machine's memory."""
-    _guard_memory(job, run, limit_gib)
-    if tail.last is None:  # still starting up
-        return
-    last = tail.last["unix_time"]
-    if job.running and time.time() - last > STALL_S and not (run.stalls and run.stalls[-1] > last):
-        print(f"{run.name}: no iteration finished for {time.time() - last:.0f} s; SIGUSR1 stack dump to its "
-              f"workers, see {job.log}", flush=True)
-        job.dump_stacks()
-        run.stalls.append(time.time())
 
 
 def _script_args(args: argparse.Namespace, ckpt: Path, metrics: Path, vanilla: bool) -> list[str]:
@@ -150,12 +116,13 @@ def run_recycle(args: argparse.Namespace, failures: list[Failure], shape: tuple[
                          work / "launcher.log", ["--restart_failed_after", str(args.restart_delay),
                                                  "--max_restarts", "50"])
     with job:
-        run = Run("ds_recycle", job.started_at, args.window, job_starts=[job.started_at])
+        run = Run("ds_recycle", job.started_at, args.window, job_starts=[job.started_at],
+                  watchdog=Watchdog(max_rss_gib=args.max_worker_gib))
         schedule, tail = Schedule(failures, job.started_at, pipelines), MetricsTail(metrics)
         while time.time() < job.started_at + args.window:
             tail.poll()
             run.kills += schedule.fire(job)
-            _watch(job, tail, run, args.max_worker_gib)
+            run.watchdog.check(job, tail)
             if not job.running:
                 raise SystemExit(f"ds_recycle's launcher exited early ({job.proc.returncode}); see {job.log}")
             time.sleep(POLL_S)
@@ -181,13 +148,14 @@ def run_vanilla(args: argparse.Namespace, failures: list[Failure], shape: tuple[
     work = _fresh(Path(args.workdir) / "vanilla")
     job, tail = _vanilla_life(args, work, 0, stages * pipelines)
     try:
-        run = Run("vanilla DeepSpeed", job.started_at, args.window, job_starts=[job.started_at])
+        run = Run("vanilla DeepSpeed", job.started_at, args.window, job_starts=[job.started_at],
+                  watchdog=Watchdog(max_rss_gib=args.max_worker_gib))
         end = job.started_at + args.window
         schedule, tails = Schedule(failures, job.started_at, pipelines), [tail]
         while time.time() < end:
             tail.poll()
             kills = schedule.fire(job)
-            _watch(job, tail, run, args.max_worker_gib)
+            run.watchdog.check(job, tail)
             if kills or not job.running:
                 if not kills:
                     raise SystemExit(f"vanilla's launcher exited without a failure ({job.proc.returncode}); "
@@ -235,8 +203,9 @@ def _summary(run: Run, tokens: int, interval: int) -> dict[str, Any]:
             "rejoins": len(events_of_kind(run.lives, "rejoin")),
             "rejoin_offsets_s": [e["time_s"] - run.started_at for e in events_of_kind(run.lives, "rejoin")],
             "first_iteration_after_start_s": _startups(run), "longest_gap_s": _longest_gap(run),
-            "stack_dumps_at_s": [t - run.started_at for t in run.stalls],
-            "memory_runaways": [f"rank {int(r['rank'])} {r['gib']:.1f} GiB at {r['offset_s']:.0f} s" for r in run.runaways], "load_avg_at_end": list(run.load_avg)}
+            "stack_dumps_at_s": [t - run.started_at for t in run.watchdog.stalls],
+            "memory_runaways": [f"rank {k.rank} {gib:.1f} GiB at {k.time_s - run.started_at:.0f} s"
+                                for k, gib in run.watchdog.runaways], "load_avg_at_end": list(run.load_avg)}
 
 
 def _longest_gap(run: Run) -> float:
@@ -338,9 +307,9 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO / "configs" / "gpt_cpu_2x2.json"))
-    p.add_argument("--window", type=float, default=240.0, help="wall-clock window per system, s (default 240)")
-    p.add_argument("--failures", default="60:1:0,120:1:1,180:0:0",
-                   help="SECONDS:PIPELINE:STAGE,... offsets from the launch (default 60:1:0,120:1:1,180:0:0)")
+    p.add_argument("--window", type=float, default=180.0, help="wall-clock window per system, s (default 180)")
+    p.add_argument("--failures", default="45:1:0,90:1:1,135:0:0",
+                   help="SECONDS:PIPELINE:STAGE,... offsets from the launch (default 45:1:0,90:1:1,135:0:0)")
     p.add_argument("--restart-delay", type=float, default=5.0, help="R: seconds before a restart, both systems")
     p.add_argument("--checkpoint-interval", type=int, default=5, help="checkpoint every N iterations, both systems")
     p.add_argument("--max-worker-gib", type=float, default=3.0,
@@ -359,6 +328,7 @@ def _parse() -> argparse.Namespace:
 
 def main() -> int:
     args = _parse()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     cfg = load_config(args.config)
     shape = (cfg.recycle.stages, cfg.recycle.pipelines)
     try:

@@ -20,6 +20,7 @@ final models are the same (``ds-recycle compare --rtol 1e-5``).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import subprocess
@@ -34,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from ds_recycle.resilience.faults import parse_fault  # noqa: E402
 from ds_recycle.tools.goodput import events_of_kind  # noqa: E402
-from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, rank_of  # noqa: E402
+from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, Watchdog, rank_of  # noqa: E402
 
 POLL_S = 0.1
 JOB_TIMEOUT_S = 900.0
@@ -64,10 +65,12 @@ def _env() -> dict[str, str]:
 
 
 def _follow(job: TrainJob, tail: MetricsTail, until: Any, what: str) -> None:
-    """Poll the metrics until ``until()`` holds; fail if the launcher exits first or the job runs too long."""
-    deadline = time.time() + JOB_TIMEOUT_S
+    """Poll the metrics until ``until()`` holds; fail if the launcher exits first or the job runs too long.
+    Stalls get a stack dump, a worker with runaway memory is killed (:class:`Watchdog`)."""
+    deadline, dog = time.time() + JOB_TIMEOUT_S, Watchdog()
     while not until():
         tail.poll()
+        dog.check(job, tail)
         if not job.running and not until():
             raise SystemExit(f"{job.launcher.value} exited ({job.proc.returncode}) before {what}; see {job.log}")
         if time.time() > deadline:
@@ -207,6 +210,7 @@ def main() -> int:
                    help="seconds ds_recycle's launcher may run on after the final model is saved")
     p.add_argument("--out", default=str(REPO / "runs" / "failure-demo"))
     args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     from ds_recycle.config import load_config
 
     cfg = load_config(args.config)

@@ -32,7 +32,7 @@ from ds_recycle.tools.procs import catches, descendants, rss_bytes, scan_proc, w
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Launcher", "TrainJob", "Kill", "MetricsTail", "REPO", "rank_of"]
+__all__ = ["Launcher", "TrainJob", "Kill", "MetricsTail", "Watchdog", "REPO", "rank_of"]
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = REPO / "launch" / "train.py"
@@ -230,3 +230,47 @@ class MetricsTail:
     @property
     def last(self) -> dict[str, Any] | None:
         return self.lives[-1][-1] if self.lives and self.lives[-1] else None
+
+
+@dataclass
+class Watchdog:
+    """Guards a running job: dumps its workers' stacks once per stall, SIGKILLs a worker whose memory runs away.
+
+    A *stall*: the job has recorded at least one iteration and none in the last ``stall_s`` seconds; every
+    worker then gets SIGUSR1 (stacks in the job's log). A *runaway*: a worker holding more than ``max_rss_gib``
+    of resident memory; after a stack dump it is SIGKILLed, since on a shared machine the kernel's OOM killer
+    would otherwise pick a process, maybe someone else's. Memory is looked at once a second.
+    """
+
+    stall_s: float = 30.0
+    max_rss_gib: float = 3.0
+    stalls: list[float] = field(default_factory=list)
+    """Unix times of the stack dumps for stalls."""
+    runaways: list[tuple[Kill, float]] = field(default_factory=list)
+    """Workers killed for their memory, with the GiB they held."""
+    _next_memory_check: float = 0.0
+
+    def check(self, job: TrainJob, tail: MetricsTail) -> None:
+        """Call often while the job runs."""
+        now = time.time()
+        if now >= self._next_memory_check:
+            self._next_memory_check = now + 1.0
+            self._guard_memory(job)
+        last = tail.last
+        if job.running and last is not None and now - last["unix_time"] > self.stall_s and not (
+                self.stalls and self.stalls[-1] > last["unix_time"]):
+            logger.warning("%s: no iteration finished for %.0f s (last %d): stack dump, see %s", job.launcher.value,
+                           now - last["unix_time"], last["iter"], job.log)
+            job.dump_stacks()
+            self.stalls.append(now)
+
+    def _guard_memory(self, job: TrainJob) -> None:
+        for rank, rss in job.worker_rss().items():
+            if rss > self.max_rss_gib * 2**30:
+                logger.warning("%s: rank %d holds %.1f GiB (> %g): stack dump, then SIGKILL", job.launcher.value,
+                               rank, rss / 2**30, self.max_rss_gib)
+                job.dump_stacks()
+                time.sleep(2.0)
+                kill = job.kill_rank(rank)
+                if kill is not None:
+                    self.runaways.append((kill, rss / 2**30))
