@@ -212,6 +212,8 @@ class RecyclePipelineEngine(PipelineEngine):
         else:
             slot.input_grad, slot.weight_work = backward_input(slot.output, slot.grad_output, stage_input,
                                                                slot.captured, self.capture)
+        if slot.captured is not None:  # its outputs carry hooks that reference it: a cycle through the autograd
+            slot.captured.outputs.clear()  # graph that Python's GC cannot free (it held each iteration's graph)
         slot.grad_output = slot.output = slot.captured = None
 
     def _exec_backward_weight(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
