@@ -270,7 +270,8 @@ def held_curve(run: Run) -> tuple[list[float], list[int]]:
     ys: list[int] = []
     for i, life in enumerate(run.lives):
         if i > 0 and i - 1 < len(run.kills) and run.name != "ds_recycle":
-            resume = life[0]["iter"] if life else (ys[-1] if ys else 0)
+            resume = next((later[0]["iter"] for later in run.lives[i:] if later),  # a life that recorded nothing
+                          run.progress.committed if run.progress else 0)      # resumed where the next one does
             xs += [run.kills[i - 1].time_s - run.started_at] * 2
             ys += [ys[-1] if ys else 0, resume]
             xs.append(run.job_starts[i] - run.started_at)
@@ -351,6 +352,7 @@ def main() -> int:
     (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "tokens_per_iteration": tokens,
                                                        "machine": platform.platform(), "cores": os.cpu_count(),
                                                        "started_at": {r.name: r.started_at for r in runs},
+                                                       "job_starts": {r.name: r.job_starts for r in runs},
                                                        "results": results,
                                                        "lives": {r.name: r.lives for r in runs}}, indent=1))
     plot(runs, out / f"{args.name}.png", f"{Path(args.config).name}: {len(failures)} SIGKILLs in {args.window:g} s, "

@@ -4,8 +4,8 @@
 
 1. **ds_recycle**: ``ds-recycle launch --restart_failed_after R`` runs the config with ``--kill``: the worker
    SIGKILLs itself in that phase of that iteration, the survivors re-route its micro-batches and keep training,
-   and the launcher starts it again R s later (it rejoins where rejoining is built; otherwise it waits for a
-   fallback and leaves as lost, and once the final model is saved the launcher is stopped).
+   and the launcher starts it again R s later: it rejoins the running job with its stage's state from its
+   live peer. (Should the launcher still run ``--linger`` s after the final model is saved, it is stopped.)
 2. **vanilla DeepSpeed** under DeepSpeed's own ``deepspeed`` launcher, with a checkpoint every
    ``--checkpoint-interval`` iterations. The same worker is SIGKILLed from outside (its pid found through
    /proc: Linux only) at the same point of training: once the reporter has finished iteration N-1, half an

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Sequence
 
-from ds_recycle.tools.procs import catches, descendants, rss_bytes, scan_proc, worker_pids
+from ds_recycle.tools.procs import catches, descendants, rss_bytes, scan_proc, start_ticks, worker_pids
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,6 @@ class TrainJob:
         self.started_at = started_at
         """Unix time just before the launcher was spawned."""
         self.log = log
-        self._seen: set[int] = set()
 
     @classmethod
     def start(cls, launcher: Launcher, nproc: int, script_args: Sequence[str], log: Path,
@@ -110,9 +109,7 @@ class TrainJob:
 
     def pids(self) -> dict[int, int]:
         """``rank -> pid`` of the workers alive now."""
-        found = worker_pids(self.proc.pid) if self.running else {}
-        self._seen.update(found.values())
-        return found
+        return worker_pids(self.proc.pid) if self.running else {}
 
     def kill_rank(self, rank: int) -> Kill | None:
         """SIGKILL the process of ``rank``; None when no live process runs that rank now."""
@@ -141,7 +138,7 @@ class TrainJob:
 
     def worker_rss(self) -> dict[int, int]:
         """``rank -> resident bytes`` of the live workers."""
-        found = {}
+        found: dict[int, int] = {}
         for rank, pid in self.pids().items():
             try:
                 found[rank] = rss_bytes(Path(f"/proc/{pid}/status").read_text())
@@ -158,26 +155,23 @@ class TrainJob:
 
     def stop(self, grace_s: float = 20.0) -> int:
         """SIGTERM the launcher (it stops its workers), then SIGKILL whatever of the job is left."""
+        left: dict[int, int | None] = {}
         if self.running:
-            self.pids()
-            left = set(descendants(scan_proc(), self.proc.pid))
+            left = {pid: start_ticks(pid) for pid in descendants(scan_proc(), self.proc.pid)}
             self.proc.send_signal(signal.SIGTERM)
             if self.wait(grace_s) is None:
                 logger.warning("%s did not stop %.0f s after SIGTERM: SIGKILL", self.launcher.value, grace_s)
-            self._seen |= left
-        self._kill_leftovers()
-        return self.proc.wait()
-
-    def _kill_leftovers(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        for pid in sorted(self._seen):
-            try:
-                os.kill(pid, signal.SIGKILL)  # pids of this job's workers: reuse within seconds is not a concern
-            except (ProcessLookupError, PermissionError):
-                pass
+        for pid, started in left.items():  # workers live in sessions of their own
+            if started is not None and start_ticks(pid) == started:  # the same process, not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return self.proc.wait()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

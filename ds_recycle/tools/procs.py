@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["ProcInfo", "parse_stat", "parse_environ", "caught_signals", "catches", "rss_bytes", "descendants", "rank_pids", "scan_proc", "worker_pids"]
+__all__ = ["ProcInfo", "parse_stat", "parse_environ", "caught_signals", "catches", "rss_bytes", "start_ticks", "descendants", "rank_pids", "scan_proc", "worker_pids"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,16 @@ def parse_stat(text: str) -> tuple[int, int]:
     if len(fields) < 2:
         raise ValueError(f"/proc/<pid>/stat line without a parent pid: {text[:80]!r}")
     return int(head.split("(", 1)[0]), int(fields[1])
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, field 22 of its stat line); None if it is gone.
+    With the pid, it names one process: a pid alone may be reused by an unrelated process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text.rpartition(")")[2].split()[19])
 
 
 def parse_environ(raw: bytes) -> dict[str, str]:
