@@ -134,6 +134,9 @@ class RecycleConfig:
     this only bounds hangs: keep it well above the slowest legitimate wait (slow is not dead)."""
     heartbeat_stale_s: float = 10.0
     """During agreement, a rank whose heartbeat has not moved for this long counts as dead."""
+    salvage: bool = True
+    """After a failure, keep the weight gradients the survivors finished in the interrupted iteration and
+    run only the rest of it (when possible); false: always restore the iteration's start and redo it whole."""
     model: GPTConfig = field(default_factory=GPTConfig)
     """The GPT to train."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any, Protocol
 
@@ -35,10 +35,10 @@ from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, PeerChannel
-from ds_recycle.engine.schedule import PlanLike, PlanSchedule, check_plan_for_job
+from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job
 from ds_recycle.runtime.grid import SurvivorGrid
 
-__all__ = ["MicroBatchSourceLike", "RecyclePipelineEngine", "served_pipelines"]
+__all__ = ["IterationProgress", "MicroBatchSourceLike", "RecyclePipelineEngine", "served_pipelines"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,19 @@ class _Slot:
     grad_output: torch.Tensor | None = None
     input_grad: torch.Tensor | None = None
     weight_work: WeightGradWork | None = None
+
+
+@dataclass
+class IterationProgress:
+    """What this worker has finished of ``iteration`` (the failure handler salvages it after a failure)."""
+
+    iteration: int
+    w_done: set[ins.MicroBatch] = field(default_factory=set)
+    """Micro-batches whose weight gradient is accumulated (W, or a fused B+W, ran)."""
+    loss_counted: set[ins.MicroBatch] = field(default_factory=set)
+    """Last stage: micro-batches whose loss is in the iteration's loss sum."""
+    stepping: bool = False
+    """The stage's gradient all-reduce completed (then the step follows): nothing of it can be salvaged."""
 
 
 def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset[int], bool]:
@@ -118,6 +131,9 @@ class RecyclePipelineEngine(PipelineEngine):
         self._loss_sum: torch.Tensor | None = None
         self._iteration_loss: torch.Tensor | None = None
         self.last_step: StepOutcome | None = None
+        self.progress = IterationProgress(-1)
+        self.repair: Repair | None = None
+        """When set, the next ``train_batch`` runs only what is left of the interrupted iteration."""
         self.op_seconds: dict[str, list[float]] | None = None
         """When a dict, each executed instruction's wall time is appended under its class name."""
 
@@ -126,6 +142,9 @@ class RecyclePipelineEngine(PipelineEngine):
         return PlanSchedule(self.plan, self.worker, self.workers.rank_of, iteration, synchronous=self.synchronous)
 
     def _train_schedule(self) -> PlanSchedule:  # type: ignore[override]
+        if self.repair is not None:
+            return PlanSchedule(self.plan, self.worker, self.workers.rank_of, self.iteration,
+                                synchronous=self.synchronous, repair=self.repair)
         return self._schedules[min(self.iteration, len(self._schedules) - 1)]
 
     def is_reporter(self) -> bool:
@@ -141,7 +160,11 @@ class RecyclePipelineEngine(PipelineEngine):
             raise ValueError("RecyclePipelineEngine reads micro-batches from its MicroBatchSource; pass no data_iter")
         self.module.train()
         self._iteration_loss = None
-        self._exec_schedule(self._train_schedule())
+        schedule = self._train_schedule()
+        if self.repair is None:
+            self.progress = IterationProgress(self.iteration)
+        self._exec_schedule(schedule)
+        self.repair = None
         self.iteration += 1
         return self._iteration_loss
 
@@ -198,7 +221,9 @@ class RecyclePipelineEngine(PipelineEngine):
             out = self.module(slot.inputs)
             if self.is_last_stage():
                 loss = self.module.loss_fn(out, slot.labels)
-                self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
+                if slot.mb not in self.progress.loss_counted:  # a repaired iteration forwards some again
+                    self.progress.loss_counted.add(slot.mb)
+                    self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
                 out = loss / self.micro_batches
         slot.output, slot.captured = out, captured
 
@@ -209,6 +234,7 @@ class RecyclePipelineEngine(PipelineEngine):
             with self.stepper.accumulating_for(micro_batch[0]):
                 slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture)
             slot.weight_work = WeightGradWork([])
+            self.progress.w_done.add(slot.mb)
         else:
             slot.input_grad, slot.weight_work = backward_input(slot.output, slot.grad_output, stage_input,
                                                                slot.captured, self.capture)
@@ -222,6 +248,7 @@ class RecyclePipelineEngine(PipelineEngine):
         if slot.weight_work.passes:
             with self.stepper.accumulating_for(micro_batch[0]):
                 slot.weight_work.run()
+        self.progress.w_done.add(slot.mb)
 
     # ------------------------------------------------------------------ communication
     def _exec_send_activation_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
@@ -252,6 +279,7 @@ class RecyclePipelineEngine(PipelineEngine):
         if self.is_last_stage() and loss_sum is None:
             loss_sum = torch.zeros(())
         total = self.stepper.reduce(loss_sum)
+        self.progress.stepping = True  # the stage's gradients are reduced: from here on the iteration is whole
         self._loss_sum = None
         if total is not None and self.is_reporter():
             self._iteration_loss = total / (self.workers.pipelines * self.micro_batches)

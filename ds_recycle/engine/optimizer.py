@@ -152,12 +152,33 @@ class StaggeredOptimizer:
                 bank[n] = p.grad
                 p.grad = None
 
+    def partial_rows(self) -> dict[int, list[torch.Tensor | None]]:
+        """The weight gradients accumulated so far in this iteration, per owner pipeline (not consumed)."""
+        if len(self.served) <= 1:
+            return {d: [p.grad for p in self.params] for d in self.served}
+        return {d: list(grads) for d, grads in self._bank.items()}
+
+    def adopt_rows(self, rows: dict[int, list[torch.Tensor | None]]) -> None:
+        """Continue accumulating from ``rows`` (another stepper's :meth:`partial_rows` on the same parameters)."""
+        unknown = set(rows) - set(self.served)
+        if unknown:
+            raise ValueError(f"gradient sums of pipelines {sorted(unknown)} handed to a worker that serves "
+                             f"{sorted(self.served)}")
+        if len(self.served) <= 1:
+            own = rows.get(next(iter(self.served))) if self.served else None
+            for n, p in enumerate(self.params):
+                p.grad = own[n] if own is not None else None
+            return
+        self._bank = {d: list(grads) for d, grads in rows.items()}
+        for p in self.params:
+            p.grad = None
+
     def _rows(self) -> dict[int, list[torch.Tensor]]:
         """This worker's gradient sum per owner pipeline."""
         if len(self.served) <= 1:
             grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
             return {pipeline: grads for pipeline in self.served} or {0: grads}
-        bank, self._bank = self._bank, {}
+        bank = self._bank  # emptied once the all-reduce succeeded: a failure during it leaves the sums intact
         return {d: [g if g is not None else torch.zeros_like(p) for g, p in zip(bank.get(d, [None] * len(self.params)),
                                                                              self.params)] for d in self.served}
 
@@ -196,6 +217,7 @@ class StaggeredOptimizer:
             table[0, numel] = loss_sum.detach().reshape(())
         if self.dp_size > 1:
             self._all_reduce_stage(table)
+        self._bank = {}
         flat = table[0].clone()
         for d in range(1, self.pipelines):
             flat = flat + table[d]

@@ -36,8 +36,8 @@ from ds_recycle.engine.instructions import (BackwardInput, BackwardWeight, Finis
                                             LoadMicroBatchOf, MicroBatch, RecvActivationFrom, RecvGradFrom,
                                             SendActivationTo, SendGradTo, StaggeredOptimizerStep, WaitSends)
 
-__all__ = ["WorkKind", "WorkItem", "PlanLike", "PlanNotRunnableError", "PlanSchedule", "worker_items",
-           "lower_worker_items", "check_plan_for_job"]
+__all__ = ["WorkKind", "WorkItem", "PlanLike", "PlanNotRunnableError", "PlanSchedule", "Repair", "worker_items",
+           "lower_worker_items", "repair_items", "check_plan_for_job"]
 
 Worker = tuple[int, int]
 
@@ -144,11 +144,15 @@ class _Slots:
 
 def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
                        peer: Callable[[int, MicroBatch], int], synchronous: bool,
-                       fuse_adjacent_bw: bool = False) -> tuple[list[list[PipeInstruction]], int]:
+                       fuse_adjacent_bw: bool = False,
+                       sends_grad: Callable[[MicroBatch], bool] | None = None,
+                       ) -> tuple[list[list[PipeInstruction]], int]:
     """Lower one iteration of a worker's ops to DeepSpeed steps; returns ``(steps, buffers needed)``.
 
     ``peer(stage, mb)`` is the global rank that runs ``mb`` at ``stage``. ``fuse_adjacent_bw``: run a B
     that the same micro-batch's W directly follows as one fused backward (always done on the first stage).
+    ``sends_grad(mb)``: whether the B of ``mb`` sends its input gradient upstream (default: on every stage but
+    the first; a repair leaves it out where the upstream stage has no B to run).
     """
     first, last = stage == 0, stage == stages - 1
     fuse = fuse_adjacent_bw or first
@@ -176,12 +180,50 @@ def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
             nxt = items[n + 1] if n + 1 < len(items) else None
             weights = fuse and nxt is not None and nxt.kind is WorkKind.W and nxt.mb == mb
             cmds.append(BackwardInput(buf, micro_batch=mb, weights=weights))
-            if not first:
+            if not first and (sends_grad is None or sends_grad(mb)):
                 cmds.append(SendGradTo(buf, micro_batch=mb, peer=peer(stage - 1, mb)))
         else:
             cmds = [BackwardWeight(slots.release(mb), micro_batch=mb)]
         steps.append(cmds)
     return steps, max(slots.peak, 1)
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What is left of an interrupted iteration, for every stage (see :func:`repair_items`).
+
+    ``w_done[s]`` holds the micro-batches whose weight gradient stage ``s`` has already accumulated (by a
+    worker still alive); every other micro-batch is *unfinished*. An unfinished micro-batch is forwarded
+    through every stage again (its activations died with the old groups), and its B runs from its lowest
+    unfinished stage up (to bring the input gradient down to it); W runs only where it is missing.
+    """
+
+    stages: int
+    w_done: Mapping[int, frozenset[MicroBatch]]
+
+    def unfinished(self, mb: MicroBatch) -> bool:
+        return any(mb not in self.w_done.get(s, frozenset()) for s in range(self.stages))
+
+    def lowest_unfinished_stage(self, mb: MicroBatch) -> int:
+        return min(s for s in range(self.stages) if mb not in self.w_done.get(s, frozenset()))
+
+
+def repair_items(items: Sequence[WorkItem], stage: int, repair: Repair) -> list[WorkItem]:
+    """This worker's ops of the interrupted iteration that are still to do, in the plan's order."""
+    done = repair.w_done.get(stage, frozenset())
+    kept = []
+    for item in items:
+        if item.kind is WorkKind.O:
+            kept.append(item)
+            continue
+        mb = item.mb
+        assert mb is not None
+        if not repair.unfinished(mb):
+            continue
+        if (item.kind is WorkKind.F or (item.kind is WorkKind.B and stage >= repair.lowest_unfinished_stage(mb))
+                or (item.kind is WorkKind.W and mb not in done)):
+            kept.append(item)
+    return kept
 
 
 def check_plan_for_job(plan: PlanLike, stages: int, pipelines: int, microbatches: int,
@@ -216,19 +258,25 @@ class PlanSchedule(PipeSchedule):
     """
 
     def __init__(self, plan: PlanLike, worker: Worker, rank_of: Callable[[Worker], int], iteration: int,
-                 synchronous: bool = False) -> None:
+                 synchronous: bool = False, repair: Repair | None = None) -> None:
         super().__init__(micro_batches=plan.microbatches, stages=plan.stages, stage_id=worker[1])
         self.plan = plan
         self.worker = worker
         self.iteration = iteration
         self.items = worker_items(plan, worker, min(iteration, plan.iterations - 1))
         _check_items(self.items, worker, plan.microbatches, plan.pipelines)
+        sends_grad = None
+        if repair is not None:  # the rest of an interrupted iteration: a subsequence of a checked one
+            self.items = repair_items(self.items, worker[1], repair)
+            stage = worker[1]
+            sends_grad = lambda mb: stage > repair.lowest_unfinished_stage(mb)  # noqa: E731
 
         def peer(stage: int, mb: MicroBatch) -> int:
             return rank_of(plan.worker_of(stage, mb))
 
         fuse = getattr(plan, "schedule", None) == "1f1b"
-        self._steps, self._buffers = lower_worker_items(self.items, worker[1], plan.stages, peer, synchronous, fuse)
+        self._steps, self._buffers = lower_worker_items(self.items, worker[1], plan.stages, peer, synchronous, fuse,
+                                                        sends_grad)
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
         yield from self._steps

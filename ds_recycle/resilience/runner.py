@@ -8,8 +8,11 @@ per-epoch gloo groups with bounded waits (:mod:`ds_recycle.resilience.transport`
 1. announces the iteration it holds a snapshot for and agrees on the live members (store, first writer wins);
 2. builds the next epoch's groups among the members and rebuilds the grid the engine reads;
 3. takes the plan for the new failure set from a :class:`~ds_recycle.plan.PlanCache`;
-4. restores the snapshot of the earliest unfinished iteration among the members and redoes it (see
-   :mod:`ds_recycle.resilience.snapshot`): *redo*, not salvage.
+4. salvages the interrupted iteration (keeps the weight gradients the survivors finished and runs the rest
+   as a repair schedule) or, when that is not possible, restores the snapshot of the earliest unfinished
+   iteration and redoes it (:mod:`ds_recycle.resilience.salvage`, :mod:`ds_recycle.resilience.snapshot`).
+
+A restarted worker joins the members at an iteration boundary (:mod:`ds_recycle.resilience.rejoin`).
 
 Each step is an event (``kind``, ``time_s``, details) in the iteration's :class:`IterationResult`, and the
 time from the kill to the first full iteration after it is recorded with its breakdown.
@@ -27,7 +30,7 @@ import torch
 
 from ds_recycle.config import TrainConfig
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.engine import served_pipelines
+from ds_recycle.engine.engine import IterationProgress, served_pipelines
 from ds_recycle.engine.runner import RecycleRunner
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
@@ -38,6 +41,7 @@ from ds_recycle.resilience.membership import MembershipError, agree_members
 from ds_recycle.resilience.rejoin import (JobClosed, JoinTicket, decide_requests, file_request, stage_sources,
                                           transfer_stage_state, wait_for_ticket, write_tickets)
 from ds_recycle.resilience.regroup import EpochGrid
+from ds_recycle.resilience.salvage import Report, decide, redo_point
 from ds_recycle.resilience.snapshot import SnapshotRing
 from ds_recycle.resilience.store import StoreKeys, connect_store
 from ds_recycle.resilience.transport import BoundedChannel, BoundedOptimizer, EpochComm
@@ -45,7 +49,7 @@ from ds_recycle.runtime.grid import WorkerMap
 from ds_recycle.train.runner import IterationResult
 from ds_recycle.train.state import cpu_state_dict, merge_in_layer_order
 
-__all__ = ["ResilientRunner", "faults_of", "redo_point"]
+__all__ = ["ResilientRunner", "faults_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +64,6 @@ _PHASES: dict[type, Phase] = {
 def faults_of(cfg: TrainConfig) -> list[FaultSpec]:
     """The config's ``recycle.faults`` as fault specs."""
     return [FaultSpec(f.worker[0], f.worker[1], f.iteration, Phase(f.phase)) for f in cfg.recycle.faults]
-
-
-def redo_point(held: dict[int, tuple[int, int]]) -> tuple[int, list[int]]:
-    """The iteration to redo after a failure, and the members that can: ``held`` maps each agreed member to
-    the (earliest, latest) iterations whose start state it holds (-1, -1: none).
-
-    The redo starts at the earliest iteration some member had not finished (the smallest ``latest``); a
-    member without that snapshot (a worker that joined during the interrupted iteration) leaves. Every
-    member computes the same answer from the same store values.
-    """
-    holding = {q: span for q, span in held.items() if span[1] >= 0}
-    if not holding:
-        raise RuntimeError(f"no member holds a snapshot to redo from: {held}")
-    redo = min(latest for _, latest in holding.values())
-    return redo, sorted(q for q, (earliest, latest) in holding.items() if earliest <= redo <= latest)
 
 
 class ResilientRunner(RecycleRunner):
@@ -199,12 +188,12 @@ class ResilientRunner(RecycleRunner):
         loss = None
         while self.engine.iteration < target:
             try:
-                if self.comm.probe.failed():
-                    raise PeerFailure("a member exited (seen at the iteration boundary)")
                 self._fire(Phase.IDLE)
                 self.engine._exec_finish_optimizer_step()  # the previous step is final before the snapshot
+                self.snapshots.take(self.engine)  # from here, a failure loses nothing of the previous iteration
+                if self.comm.probe.failed():
+                    raise PeerFailure("a member exited (seen at the iteration boundary)")
                 self._admit_joiners()
-                self.snapshots.take(self.engine)
                 loss = self.engine.train_batch()
                 self._note_recovered()
             except PeerFailure as failure:
@@ -232,7 +221,7 @@ class ResilientRunner(RecycleRunner):
         self._join_checked = None  # every member checks for joiners again at the boundary it redoes
         self.epoch += 1
         snap_key = f"{self.keys.root}/epoch/{self.epoch}/snap/"
-        self.store.set(snap_key + str(self.rank), f"{self.snapshots.earliest},{self.snapshots.latest}")
+        self.store.set(snap_key + str(self.rank), self._report().to_json())
         try:
             members = agree_members(self.store, self.epoch, self.rank, self.members, self.liveness,
                                     timeout_s=rc.failure_timeout_s, keys=self.keys)
@@ -240,8 +229,8 @@ class ResilientRunner(RecycleRunner):
             logger.error("%s; leaving as lost (exit %d)", e, ckpt.LOST_EXIT_CODE)
             self._exit(ckpt.LOST_EXIT_CODE)
         agreed = time.time()
-        held = {q: tuple(int(x) for x in self.store.get(snap_key + str(q)).decode().split(",")) for q in members}
-        redo, members = redo_point(held)
+        reports = {q: Report.from_json(self.store.get(snap_key + str(q))) for q in members}
+        redo, members = redo_point({q: (r.earliest, r.latest) for q, r in reports.items()})
         if self.rank not in members:
             logger.error("no snapshot of iteration %d here (joined at %s): leaving as lost (exit %d)", redo,
                          self.joined_at, ckpt.LOST_EXIT_CODE)
@@ -261,15 +250,27 @@ class ResilientRunner(RecycleRunner):
         except StageLostError as e:
             self._fall_back(e)
         planned = time.time()
+        decision = decide({q: reports[q] for q in members}, plan, workers, salvage=rc.salvage)
+        eng = self.engine
+        rows, loss_sum, progress = eng.stepper.partial_rows(), eng._loss_sum, eng.progress
         self._install(comm, workers, plan)
         self._event("plan_switch", absent=sorted(list(w) for w in workers.absent()), rerouted=self.rerouted)
-        self.snapshots.restore(redo, self.engine)
+        if decision.repair is not None:  # keep the finished work; run the rest of the iteration
+            if progress.iteration != redo:  # it was at the boundary of the iteration: nothing of it done yet
+                rows, loss_sum, progress = {}, None, IterationProgress(redo)
+            eng.stepper.adopt_rows(rows)
+            eng._loss_sum, eng.progress, eng.repair = loss_sum, progress, decision.repair
+        else:
+            eng.repair = None
+            self.snapshots.restore(redo, eng)
         restored = time.time()
         prev = self._recovery or {}
         self._recovery = {"killed_at": min(killed) if killed else prev.get("killed_at"), "detected_at": detected,
                           "detection_s": detected - min(killed) if killed else None, "agreement_s": agreed - detected,
                           "regroup_s": regrouped - agreed, "plan_lookup_s": planned - regrouped,
-                          "restore_s": restored - planned, "redo_iteration": redo, "_restored_at": restored}
+                          "restore_s": restored - planned, "redo_iteration": redo, "_restored_at": restored,
+                          "salvaged": decision.repair is not None, "kept_weight_gradients":
+                          decision.kept_weight_gradients, "redo_reason": decision.why}
         logger.warning("recovered from the loss of ranks %s: members %s, redoing iteration %d", dead, members, redo)
 
     def _fall_back(self, error: StageLostError) -> None:
@@ -285,6 +286,16 @@ class ResilientRunner(RecycleRunner):
     def _workers_of(self, members: list[int]) -> WorkerMap:
         return WorkerMap(self.job_workers.stages, self.job_workers.pipelines,
                          {w: r for w, r in self.job_workers.ranks.items() if r in members})
+
+    def _report(self) -> Report:
+        """What this member holds of the iteration in flight (see :mod:`ds_recycle.resilience.salvage`)."""
+        eng, prog = self.engine, self.engine.progress
+        if prog.iteration < self.snapshots.latest:  # at a boundary: the next iteration has not started
+            prog = IterationProgress(self.snapshots.latest)
+        served = tuple((d, i) for d in range(self.plan.pipelines) for i in range(self.plan.microbatches)
+                       if self.plan.worker_of(eng.stage_id, (d, i)) == eng.worker)
+        return Report(self.snapshots.earliest, self.snapshots.latest, prog.iteration, prog.stepping, eng.stage_id,
+                      served, tuple(sorted(prog.w_done)))
 
     def _stepper_state(self) -> dict[str, Any]:
         st = self.engine.stepper

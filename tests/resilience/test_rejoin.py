@@ -6,7 +6,10 @@ parameters are compared with ``ds-recycle compare`` against a failure-free run.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -17,7 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from ds_recycle.resilience.comm import FailureProbe  # noqa: E402
 from ds_recycle.resilience.rejoin import JoinTicket, decide_requests, file_request, write_tickets  # noqa: E402
-from ds_recycle.resilience.runner import redo_point  # noqa: E402
 from ds_recycle.resilience.store import StoreKeys  # noqa: E402
 from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
 
@@ -40,15 +42,6 @@ def test_requests_decided_alike_latest_request_of_a_rank_wins() -> None:
     assert [t.accepted for t in tickets] == [False, True, True, False, False]
     assert all(t.iteration == 7 and t.joining == (1, 2) and t.admitted_upto == 5 for t in tickets)
     assert decide_requests(store, keys, upto=5, after=5, members=[0], job_ranks=[0, 1]) == {}
-
-
-def test_redo_point_drops_a_member_without_the_snapshot() -> None:
-    # ranks 0, 2 hold iterations 5..7 and 6..8; rank 1 joined at 8; rank 3 joined but holds nothing yet
-    redo, members = redo_point({0: (5, 7), 1: (8, 8), 2: (6, 8), 3: (-1, -1)})
-    assert (redo, members) == (7, [0, 2])
-    assert redo_point({0: (3, 5), 1: (4, 5)}) == (5, [0, 1])
-    with pytest.raises(RuntimeError, match="no member holds"):
-        redo_point({0: (-1, -1)})
 
 
 def test_failure_probe_sees_a_member_restarted_after_its_exit_key_was_deleted() -> None:
@@ -81,13 +74,20 @@ def _events(records: list[dict], kind: str) -> list[tuple[int, dict]]:
     return [(r["iter"], e) for r in records for e in r["events"] if e["kind"] == kind]
 
 
+STEPS = 140
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run(tmp_path_factory.mktemp("rejoin-base"), "base", STEPS, [], [])[0]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_killed_worker_rejoins_then_its_peer_dies_same_model(tmp_path: Path) -> None:
+def test_killed_worker_rejoins_then_its_peer_dies_same_model(tmp_path: Path, baseline: Path) -> None:
     """(1, 0) dies at iteration 2 and rejoins with state from (0, 0); later (0, 0) dies and the rejoined
     worker carries stage 0 alone: every step of the way the model is the failure-free one."""
-    steps, second_kill = 140, 120
-    base, _, _ = _run(tmp_path, "base", steps, [], [])
+    steps, second_kill, base = STEPS, 120, baseline
     out, output, records = _run(tmp_path, "k", steps, ["1:0@2:backward-input", f"0:0@{second_kill}:forward"],
                                 RESTART)
     assert "joined the running job at iteration" in output, output[-4000:]
@@ -111,3 +111,30 @@ def test_worker_restarted_after_training_ended_leaves_without_joining(tmp_path: 
     assert "not joining: training ended" in output, output[-4000:]
     assert re.search(r"summary: rank 1 \(pid \d+, restart 1\) finished: exit code 0", output), output[-3000:]
     assert len(records) == 6 and not _events(records, "rejoin")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_worker_restarted_on_command_rejoins_same_model(tmp_path: Path, baseline: Path) -> None:
+    """No --restart_failed_after: the killed rank stays down until `ds-recycle restart` brings it back."""
+    from ds_recycle.cli import main as ds_recycle
+    from tests.launcher.launch_harness import LaunchedJob
+
+    config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=60.0)
+    out, metrics = tmp_path / "cmd.pt", tmp_path / "cmd.jsonl"
+    job = LaunchedJob(["--num_accelerators", "4", "--master_port", "0", str(REPO / "launch" / "train.py"),
+                       "--deepspeed_config", str(config), "--steps", str(STEPS), "--save-final", str(out),
+                       "--metrics", str(metrics), "--kill", "1:0@2:forward"], env={"WANDB_MODE": "disabled"})
+    try:
+        port = int(job.wait_for(r"store at [\d.]+:(\d+)")[0][1])
+        job.wait_for(r"rank 1 \(pid \d+\) lost: signal SIGKILL", timeout_s=120)
+        assert ds_recycle(["restart", "--master_port", str(port), "--timeout", "60", "1"]) == 0
+        assert job.proc.wait(timeout=200) == 0, job.text[-4000:]
+    finally:
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+    assert "joined the running job at iteration" in job.text, job.text[-4000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    (_, join), = _events(records, "rejoin")
+    assert join["workers"] == [[1, 0]] and records[-1]["live_workers"] == 4
+    assert_same_model(out, baseline)
