@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -64,7 +64,7 @@ def _env() -> dict[str, str]:
     return {"WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
 
 
-def _follow(job: TrainJob, tail: MetricsTail, until: Any, what: str) -> None:
+def _follow(job: TrainJob, tail: MetricsTail, until: Callable[[], bool], what: str) -> None:
     """Poll the metrics until ``until()`` holds; fail if the launcher exits first or the job runs too long.
     Stalls get a stack dump, a worker with runaway memory is killed (:class:`Watchdog`)."""
     deadline, dog = time.time() + JOB_TIMEOUT_S, Watchdog()
@@ -90,9 +90,8 @@ def run_recycle(args: argparse.Namespace, common: list[str], out: Path) -> Side:
     with job:
         _follow(job, tail, lambda: f"tensors to {side.model}" in job.output(),
                 "the final model")
-        if job.wait(args.linger) is None:  # only a restarted worker waiting for a fallback is left
-            print(f"ds_recycle: final model saved; stopping the launcher ({args.linger:g} s later it still waits "
-                  f"for the restarted worker)")
+        if job.wait(args.linger) is None:  # e.g. a restarted worker that had not joined when training ended
+            print(f"ds_recycle: final model saved; stopping the launcher, still running {args.linger:g} s later")
     tail.poll()
     side.lives = tail.lives
     return side
