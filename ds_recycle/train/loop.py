@@ -12,9 +12,11 @@ script trains the same model but a failure ends the job.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Sequence
@@ -100,6 +102,8 @@ def _with_kills(cfg: TrainConfig, kills: Sequence[str]) -> TrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's Python stack to stderr, for hangs
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = parse_args(argv)
     _configure_logging(int(os.environ.get("RANK", "0")))
     try:
