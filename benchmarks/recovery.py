@@ -42,46 +42,63 @@ def run_job(config: Path, steps: int, kill: str | None, workdir: Path, name: str
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
+def _recovered(records: list[dict]) -> tuple[int, dict]:
+    return next((r["iter"], e) for r in records for e in r["events"] if e["kind"] == "recovered")
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO / "configs" / "gpt_cpu_2x2.json"))
-    p.add_argument("--kill", default="1:0@10:backward-input", help="P:S@N:PHASE (the reporter must survive)")
+    p.add_argument("--kill", action="append", default=None,
+                   help="P:S@N:PHASE, repeatable (the reporter must survive); default: 1:0@10:backward-input and "
+                        "1:0@10:backward-weight")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3, help="runs per kill and mode, alternated (medians reported)")
     args = p.parse_args()
+    kills = args.kill or ["1:0@10:backward-input", "1:0@10:backward-weight"]
+    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"python {platform.python_version()}; config {args.config}; {args.steps} steps; {args.repeats} runs "
+          "per kill and mode, alternated; medians")
+    tput = lambda rs: _median([r["tokens_per_s"] for r in rs])  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         redo_config = Path(tmp) / "redo.json"
         raw = json.loads(Path(args.config).read_text())
         raw.setdefault("recycle", {})["salvage"] = False
         redo_config.write_text(json.dumps(raw))
+        configs = {"salvage": Path(args.config), "redo": redo_config}
         clean = run_job(Path(args.config), args.steps, None, Path(tmp))
-        runs = {"salvage": run_job(Path(args.config), args.steps, args.kill, Path(tmp), "salvage"),
-                "redo": run_job(redo_config, args.steps, args.kill, Path(tmp), "redo")}
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"python {platform.python_version()}; config {args.config}; kill {args.kill}; {args.steps} steps")
-    tput = lambda rs: statistics.median(r["tokens_per_s"] for r in rs) if rs else float("nan")  # noqa: E731
-    print(f"failure-free run: {tput(clean[1:]):.0f} tokens/s (median)")
-    recs = {}
-    for mode, failed in runs.items():
-        rec = recs[mode] = next(e for r in failed for e in r["events"] if e["kind"] == "recovered")
-        hit = next(r["iter"] for r in failed if any(e["kind"] == "recovered" for e in r["events"]))
-        before = [r for r in failed[1:] if r["iter"] < hit]
-        after = [r for r in failed if r["iter"] > hit]
-        how = (f"salvaged, {rec.get('kept_weight_gradients', 0)} weight gradients kept" if rec.get("salvaged")
-               else f"redone: {rec.get('redo_reason') or 'salvage off'}")
-        print(f"[{mode}] failure -> first full iteration: {rec['failure_to_full_iteration_s']:.3f} s "
-              f"(iteration {rec['redo_iteration']} {how})")
-        for part in PARTS:
-            value = rec.get(part)
-            print(f"  {part[:-2]:<12} {value:.4f} s" if value is not None else f"  {part[:-2]:<12} n/a")
-        print(f"  throughput, tokens/s (median): before {tput(before):.0f}, iteration {hit} (absorbed it) "
-              f"{failed[hit]['tokens_per_s']:.0f}, after {tput(after):.0f} (after/before "
-              f"{tput(after) / tput(before):.2f})")
-    s_rec, r_rec = recs["salvage"], recs["redo"]
-    print(f"salvage / redo: failure -> first full iteration {s_rec['failure_to_full_iteration_s'] / "
-          f"r_rec['failure_to_full_iteration_s']:.2f}x, repaired / redone iteration "
-          f"{s_rec['redo_s'] / r_rec['redo_s']:.2f}x")
+        print(f"failure-free run: {tput(clean[1:]):.0f} tokens/s")
+        for kill in kills:
+            runs: dict[str, list[list[dict]]] = {"salvage": [], "redo": []}
+            for n in range(args.repeats):
+                for mode in ("salvage", "redo"):
+                    runs[mode].append(run_job(configs[mode], args.steps, kill, Path(tmp), f"{mode}{n}"))
+            totals = {}
+            for mode, jobs in runs.items():
+                recs = [_recovered(job) for job in jobs]
+                totals[mode] = (_median([e["failure_to_full_iteration_s"] for _, e in recs]),
+                                _median([e["redo_s"] for _, e in recs]))
+                kept = [e.get("kept_weight_gradients", 0) for _, e in recs if e.get("salvaged")]
+                reasons = sorted({e.get("redo_reason") for _, e in recs if not e.get("salvaged")} - {None})
+                print(f"[{kill}, {mode}] failure -> first full iteration {totals[mode][0]:.3f} s; salvaged in "
+                      f"{len(kept)}/{len(recs)} runs (weight gradients kept: {kept})"
+                      + (f"; redone because: {reasons}" if reasons else ""))
+                for part in PARTS:
+                    values = [e[part] for _, e in recs if e.get(part) is not None]
+                    print(f"  {part[:-2]:<12} {_median(values):.4f} s" if values else f"  {part[:-2]:<12} n/a")
+                hit, _ = recs[0]
+                before = [r for r in jobs[0][1:] if r["iter"] < hit]
+                after = [r for r in jobs[0] if r["iter"] > hit]
+                print(f"  throughput (first run), tokens/s: before {tput(before):.0f}, after {tput(after):.0f} "
+                      f"(after/before {tput(after) / tput(before):.2f})")
+            print(f"[{kill}] salvage / redo: failure -> first full iteration "
+                  f"{totals['salvage'][0] / totals['redo'][0]:.2f}x, repaired / redone iteration "
+                  f"{totals['salvage'][1] / totals['redo'][1]:.2f}x")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
