@@ -63,12 +63,24 @@ def test_2x2_one_worker_killed_same_model(tmp_path: Path, baseline_2x2: Path, ki
         assert records[-1]["live_workers"] == 3 and records[-1]["rerouted_microbatches"] > 0
 
 
-@pytest.mark.timeout(300)
-def test_3_stages_middle_stage_killed_same_model(tmp_path: Path) -> None:
-    base, _, _ = _train(tmp_path, _config(tmp_path, "b3", 3, 2), 6, "b3")
-    out, output, _ = _train(tmp_path, _config(tmp_path, "k3", 3, 2), 6, "k3", ["1:1@3:backward-input"])
-    assert "lost: signal SIGKILL" in output
-    assert_same_model(out, base)
+@pytest.fixture(scope="module")
+def baseline_3x2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("base3x2")
+    return _train(tmp, _config(tmp, "b3", 3, 2), 6, "b3")[0]
+
+
+# The middle stage of a 3 x 2 job (worker (1, 1) is rank 3), every phase.
+KILLS_MIDDLE = ["1:1@2:forward", "1:1@3:backward-input", "1:1@2:backward-weight", "1:1@3:send", "1:1@2:receive",
+                "1:1@3:all-reduce", "1:1@4:optimizer-step", "1:1@3:idle"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kill", KILLS_MIDDLE)
+def test_3_stages_middle_stage_killed_same_model(tmp_path: Path, baseline_3x2: Path, kill: str) -> None:
+    out, output, records = _train(tmp_path, _config(tmp_path, "k3", 3, 2), 6, "k3", [kill])
+    assert "rank 3 (pid" in output and "lost: signal SIGKILL" in output, output[-3000:]
+    assert [e["lost_workers"] for r in records for e in r["events"] if e["kind"] == "failure"] == [[[1, 1]]]
+    assert_same_model(out, baseline_3x2)
 
 
 # With 3 pipelines the engine itself matches the failure-free run only up to summation order: gloo adds the
