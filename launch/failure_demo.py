@@ -13,7 +13,7 @@
    from its latest checkpoint and trains to the end. Its time includes both start-ups, the lost partial
    iteration and the iterations redone since the checkpoint.
 
-Prints a table (time to the final model, iterations redone, failure and rejoin times), writes
+Prints a table (time to the final model, iterations lost, failure and rejoin times), writes
 ``throughput.png`` (tokens/s over wall-clock time, failures, restart and rejoins marked), and checks that both
 final models are the same (``ds-recycle compare --rtol 1e-5``).
 """
@@ -76,6 +76,10 @@ def _follow(job: TrainJob, tail: MetricsTail, until: Callable[[], bool], what: s
         if time.time() > deadline:
             raise SystemExit(f"no {what} after {JOB_TIMEOUT_S:.0f} s; see {job.log}")
         time.sleep(POLL_S)
+
+
+STALE = ("recycle.jsonl", "vanilla-0.jsonl", "vanilla-1.jsonl", "recycle.pt", "vanilla.pt", "throughput.png")
+"""Files of an earlier demo in the same folder, removed before the jobs start."""
 
 
 def run_recycle(args: argparse.Namespace, common: list[str], out: Path) -> Side:
@@ -151,9 +155,9 @@ def table(args: argparse.Namespace, recycle: Side, vanilla: Side) -> None:
     rejoins = [e["time_s"] for e in events_of_kind(recycle.lives, "rejoin")]
     recycle_kills = [e["killed_at"] for e in events_of_kind(recycle.lives, "recovered") if e.get("killed_at")]
     redone_v = vanilla.lives[0][-1]["iter"] + 1 - vanilla.lives[1][0]["iter"]
-    print(f"{'system':<22}{'to final model s':>17}{'iterations redone':>19}{'goodput it/s':>14}"
+    print(f"{'system':<22}{'to final model s':>17}{'iterations lost':>19}{'goodput it/s':>14}"
           f"{'failure at s':>14}{'rejoin at s':>13}{'restarted at s':>16}")
-    rows = [(recycle, len(events_of_kind(recycle.lives, "recovered")), recycle.offsets(recycle_kills),
+    rows = [(recycle, 0, recycle.offsets(recycle_kills),  # the job never rolls back a finished iteration
              recycle.offsets(rejoins), "-"),
             (vanilla, redone_v, vanilla.offsets([k.time_s for k in vanilla.kills]), "-",
              vanilla.offsets(vanilla.job_starts[1:]))]
@@ -162,10 +166,12 @@ def table(args: argparse.Namespace, recycle: Side, vanilla: Side) -> None:
         print(f"{side.name:<22}{t:>17.1f}{redone:>19}{args.steps / t:>14.3f}{fail:>14}{rejoin:>13}{restart:>16}")
     rec = next(iter(events_of_kind(recycle.lives, "recovered")), None)
     if rec:
+        how = (f"salvaged, {rec.get('kept_weight_gradients', 0)} weight gradients kept" if rec.get("salvaged")
+               else "redone")
         print(f"ds_recycle: failure -> first full iteration {rec['failure_to_full_iteration_s']:.3f} s "
-              f"(in-flight iteration {rec['redo_iteration']} redone)")
-    print("times are seconds since each job's launch; vanilla's 'iterations redone' counts finished iterations "
-          "rolled back to its checkpoint (its partial iteration is lost too)")
+              f"(in-flight iteration {rec['redo_iteration']} {how})")
+    print("times are seconds since each job's launch; 'iterations lost' counts finished iterations rolled back "
+          "(vanilla: to its checkpoint, and its partial iteration is lost too)")
 
 
 def plot(args: argparse.Namespace, sides: list[Side], path: Path) -> None:
@@ -220,6 +226,8 @@ def main() -> int:
                 f"an iteration between 1 and {args.steps - 1}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for name in STALE:  # a previous demo's metrics would be read as this one's progress
+        (out / name).unlink(missing_ok=True)
     common = ["--deepspeed_config", args.config, "--steps", str(args.steps)]
     recycle = run_recycle(args, common, out)
     vanilla = run_vanilla(args, common, out)
