@@ -242,6 +242,13 @@ class RecyclePipelineEngine(PipelineEngine):
             slot.captured.outputs.clear()  # graph that Python's GC cannot free (it held each iteration's graph)
         slot.grad_output = slot.output = slot.captured = None
 
+    def drop_slots(self) -> None:
+        """Forget every micro-batch in flight (an interrupted iteration), releasing its autograd graph."""
+        for slot in self.slots.values():
+            if slot.captured is not None:  # the hook cycle would otherwise keep the slice's graph alive
+                slot.captured.outputs.clear()
+        self.slots = {}
+
     def _exec_backward_weight(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self.slots.pop(buffer_id)
         assert slot.weight_work is not None, f"W of {micro_batch} before its B"

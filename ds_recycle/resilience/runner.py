@@ -141,7 +141,8 @@ class ResilientRunner(RecycleRunner):
         last = workers.stage_ranks(workers.stages - 1)
         if eng.reporter_rank not in last:  # the metrics stay with one rank for as long as it lives
             eng.reporter_rank = min(last)
-        eng.slots, eng._loss_sum = {}, None
+        eng.drop_slots()
+        eng._loss_sum = None
         self.rerouted = sum(plan.worker_of(s, (d, i))[0] != d for s in range(plan.stages)
                             for d in range(plan.pipelines) for i in range(plan.microbatches))
 
