@@ -12,8 +12,10 @@ deadline passes; the last two raise :class:`PeerFailure` within milliseconds of 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol, Sequence
@@ -108,10 +110,19 @@ class EpochGroup:
                                         len(self.members), timedelta(seconds=timeout_s))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        return self.pg.send([tensor], self.index[dst], tag)
+        with self._posting(f"send to rank {dst}"):
+            return self.pg.send([tensor], self.index[dst], tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
-        return self.pg.recv([tensor], self.index[src], tag)
+        with self._posting(f"receive from rank {src}"):
+            return self.pg.recv([tensor], self.index[src], tag)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.index[src]
+        opts.rootTensor = 0
+        with self._posting(f"broadcast from rank {src}"):
+            return self.pg.broadcast([tensor], opts)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         return self._all_reduce(tensor, dist.ReduceOp.SUM)
@@ -122,4 +133,13 @@ class EpochGroup:
     def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> Work:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        return self.pg.allreduce([tensor], opts)
+        with self._posting("all-reduce"):
+            return self.pg.allreduce([tensor], opts)
+
+    @contextlib.contextmanager
+    def _posting(self, what: str) -> Iterator[None]:
+        """Gloo refuses to even post an operation on a pair whose peer died: that too is a :class:`PeerFailure`."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise PeerFailure(f"group {self.name}: {what}: {e}") from e

@@ -89,10 +89,7 @@ class EpochComm:
         bounded_wait(work, self.probe, self.timeout_s, f"epoch {self.epoch}: {what}")
 
     def broadcast(self, group: EpochGroup, tensor: torch.Tensor, src: int) -> Any:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = group.index[src]
-        opts.rootTensor = 0
-        return group.pg.broadcast([tensor], opts)
+        return group.broadcast(tensor, src)
 
 
 class BoundedChannel(PeerChannel):

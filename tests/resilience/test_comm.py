@@ -44,3 +44,40 @@ def test_survivors_detect_regroup_and_continue() -> None:
         assert f"rank {r} done members=[0, 1, 3]" in out, out
         recovery = float(out.split(" in ")[1].split("s after")[0])
         assert recovery < 10.0, out  # bounded: agreement, not a gloo timeout of 30 s
+
+
+_PEER = """
+import sys, time, torch.distributed as dist
+from datetime import timedelta
+from ds_recycle.resilience.comm import EpochGroup
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timeout=timedelta(seconds=30))
+group = EpochGroup(store, "post", [0, 1], 1, 30.0)
+print("READY", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_posting_to_a_dead_peer_is_a_peer_failure() -> None:
+    """Gloo may refuse to even post a send to a dead peer (a RuntimeError at once): that is a PeerFailure too."""
+    import torch
+
+    from ds_recycle.resilience.comm import EpochGroup, PeerFailure
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(store.port)], env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        group = EpochGroup(store, "post", [0, 1], 0, 30.0)
+        assert peer.stdout is not None and "READY" in peer.stdout.readline()
+        peer.send_signal(signal.SIGKILL)
+        peer.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        with pytest.raises(PeerFailure, match="group post: send to rank 1"):
+            while time.monotonic() < deadline:
+                group.send(torch.ones(4), 1, 7)
+                time.sleep(0.05)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
