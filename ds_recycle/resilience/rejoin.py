@@ -131,13 +131,14 @@ def write_tickets(store: dist.Store, keys: StoreKeys, upto: int, after: int, acc
         store.set(keys.join_ticket(number), ticket.to_json())
 
 
-def _broadcast_bytes(comm: EpochComm, payload: bytes | None, src: int, what: str) -> bytes:
+def _broadcast_bytes(comm: EpochComm, payload: bytes | None, src: int, what: str) -> torch.Tensor:
+    """``src``'s ``payload`` on every member of the stage group, as a uint8 tensor (no copy on ``src``)."""
     size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-    comm.wait(comm.broadcast(comm.stage, size, src), f"{what}: size")
+    comm.wait(comm.stage.broadcast(size, src), f"{what}: size")
     data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
             else torch.empty(int(size.item()), dtype=torch.uint8))
-    comm.wait(comm.broadcast(comm.stage, data, src), f"{what}: {int(size.item())} bytes")
-    return data.numpy().tobytes()
+    comm.wait(comm.stage.broadcast(data, src), f"{what}: {data.numel()} bytes")
+    return data
 
 
 def transfer_stage_state(comm: EpochComm, src: int, rank: int, engine: Any, load: bool,
@@ -154,11 +155,11 @@ def transfer_stage_state(comm: EpochComm, src: int, rank: int, engine: Any, load
         payload = buf.getvalue()
     data = _broadcast_bytes(comm, payload, src, f"state transfer from rank {src}")
     if not load:
-        return len(data), {}
-    state = torch.load(io.BytesIO(data), weights_only=False)
+        return data.numel(), {}
+    state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
     snapshot: StageSnapshot = state["snapshot"]
     snapshot.restore(engine)
-    return len(data), dict(state["extra"])
+    return data.numel(), dict(state["extra"])
 
 
 def stage_sources(previous: Sequence[int], joining: Sequence[int], stage_of: Callable[[int], int]) -> dict[int, int]:

@@ -191,7 +191,8 @@ class ResilientRunner(RecycleRunner):
             try:
                 self._fire(Phase.IDLE)
                 self.engine._exec_finish_optimizer_step()  # the previous step is final before the snapshot
-                self.snapshots.take(self.engine)  # from here, a failure loses nothing of the previous iteration
+                if self.snapshots.latest != self.engine.iteration:  # held already after a salvage or restore
+                    self.snapshots.take(self.engine)  # from here, a failure loses nothing of the previous iteration
                 if self.comm.probe.failed():
                     raise PeerFailure("a member exited (seen at the iteration boundary)")
                 self._admit_joiners()

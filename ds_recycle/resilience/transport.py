@@ -88,9 +88,6 @@ class EpochComm:
     def wait(self, work: Any, what: str) -> None:
         bounded_wait(work, self.probe, self.timeout_s, f"epoch {self.epoch}: {what}")
 
-    def broadcast(self, group: EpochGroup, tensor: torch.Tensor, src: int) -> Any:
-        return group.broadcast(tensor, src)
-
 
 class BoundedChannel(PeerChannel):
     """:class:`PeerChannel` on an epoch's p2p group; receives and send completions are bounded waits."""
@@ -144,7 +141,7 @@ class BoundedOptimizer(StaggeredOptimizer):
         super().step(iteration, synchronous)
 
     def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
-        return self.comm.broadcast(self.comm.norm, tensor, src)
+        return self.comm.norm.broadcast(tensor, src)
 
     def _all_reduce_norm(self, tensor: torch.Tensor) -> Any:
         return self.comm.norm.all_reduce_sum(tensor)
