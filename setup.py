@@ -21,6 +21,6 @@ setup(
         "matplotlib",
         "scipy",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "ruff==0.17.6", "mypy==2.4.1"]},
     entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:main"]},
 )

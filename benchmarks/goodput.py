@@ -46,8 +46,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ds_recycle.config import load_config  # noqa: E402
-from ds_recycle.tools.goodput import (Failure, Progress, checkpoint_cost, events_of_kind,  # noqa: E402
-                                      fallback_times, latest_checkpoint, parse_failures, progress, steady_rate)
+from ds_recycle.tools.goodput import (  # noqa: E402
+    Failure,
+    Progress,
+    checkpoint_cost,
+    events_of_kind,
+    fallback_times,
+    latest_checkpoint,
+    parse_failures,
+    progress,
+    steady_rate,
+)
 from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, Watchdog, rank_of  # noqa: E402
 
 POLL_S = 0.1

@@ -13,7 +13,8 @@ setting). "/rbest" uses the routed bound instead (bounds.routed_lower_bound: a m
 in every iteration, as the engine's contract requires, so the busiest peer carries ceil(D*M/(D-f)) each
 iteration rather than ceil(K*D*M/(D-f)) over K iterations). The summary also reports "tight best": the
 larger of that, the failure-free plan and bounds.round_trip_bound (stage 0 waits for a full round trip of
-its first micro-batch in every iteration, which the plan format's formula leaves out). Two memory settings: unlimited, and a limit of ceil(S * D / (D - f_max)) micro-batches per
+its first micro-batch in every iteration, which the plan format's formula leaves out). Two memory settings: unlimited,
+and a limit of ceil(S * D / (D - f_max)) micro-batches per
 worker (f_max: most failures in one stage), i.e. 1F1B's first-stage memory scaled by the re-routed load.
 """
 from __future__ import annotations

@@ -158,9 +158,8 @@ def _pingpong(rank: int, port: int, numel: int, repeats: int, out: str) -> None:
 
 
 def measure_comm(numel: int, repeats: int) -> float:
-    import tempfile
-
     import socket
+    import tempfile
 
     import torch.multiprocessing as mp
 
@@ -205,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(profile, indent=2))
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     print(f"command: {' '.join(['python', *sys.argv])}")
-    print(f"{'stage':>5} {'params':>9} {'F ms':>8} {'B ms':>8} {'W ms':>8} {'fused ms':>9} {'(B+W)/fused':>12} {'best-case':>10} {'O ms':>7}")
+    print(f"{'stage':>5} {'params':>9} {'F ms':>8} {'B ms':>8} {'W ms':>8} {'fused ms':>9} {'(B+W)/fused':>12} "
+          f"{'best-case':>10} {'O ms':>7}")
     for s, r in enumerate(rows):
         print(f"{s:>5} {int(r['params']):>9} {r['F']:>8.2f} {r['B']:>8.2f} {r['W']:>8.2f} {r['fused_backward']:>9.2f} "
               f"{r['bw_over_fused']:>12.3f} {r['bw_over_fused_best']:>10.3f} {r['O']:>7.2f}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 #: sub-command -> (module that implements it, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ds_recycle.cluster.ledger import Phase
 from ds_recycle.cluster.simulator import SimulationResult

@@ -28,7 +28,7 @@ unequal stages, as real partitions do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from ds_recycle.plan import CostModel
 
@@ -129,7 +129,7 @@ def _head_flops(m: ModelProfile, b: int) -> float:
     return 2.0 * b * m.seq_len * m.hidden * m.vocab
 
 
-@lru_cache(maxsize=None)
+@cache
 def stage_layers(layers: int, stages: int, head_weight: float) -> tuple[int, ...]:
     """Layers per stage: contiguous, minimising the heaviest stage, the head weighing `head_weight`
     layers on the last stage. Raises ValueError if there are more stages than layers."""

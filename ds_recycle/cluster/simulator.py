@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ds_recycle.cluster.assumptions import Assumptions, ShrinkPolicy, resolve_assumptions
 from ds_recycle.cluster.ledger import USEFUL, Phase, Segment

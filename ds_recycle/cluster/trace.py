@@ -18,8 +18,8 @@ from __future__ import annotations
 import enum
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 __all__ = ["EventKind", "Event", "Trace", "TraceError", "read_trace", "parse_trace"]
 

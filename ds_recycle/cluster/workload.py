@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ds_recycle.cluster.models import (A100_NODE, BYTES_PER_PARAM, Hardware, ModelProfile,
-                                       stage_costs)
+from ds_recycle.cluster.models import A100_NODE, BYTES_PER_PARAM, Hardware, ModelProfile, stage_costs
 from ds_recycle.plan import CostModel
 
 __all__ = ["Workload", "workload_from_model", "workload_from_costs_file"]

@@ -7,7 +7,7 @@ resuming at iteration ``k`` continues the very same stream. No iterator state ha
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

@@ -21,8 +21,16 @@ deadlock-free here.
 """
 from __future__ import annotations
 
-from deepspeed.runtime.pipe.schedule import (BufferOpInstruction, ForwardPass, LoadMicroBatch, PipeInstruction,
-                                             RecvActivation, RecvGrad, SendActivation, SendGrad)
+from deepspeed.runtime.pipe.schedule import (
+    BufferOpInstruction,
+    ForwardPass,
+    LoadMicroBatch,
+    PipeInstruction,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+)
 
 __all__ = ["MicroBatch", "LoadMicroBatchOf", "ForwardMicroBatch", "BackwardInput", "BackwardWeight",
            "SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "WaitSends",

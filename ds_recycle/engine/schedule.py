@@ -32,9 +32,20 @@ from typing import Any, Protocol
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
-from ds_recycle.engine.instructions import (BackwardInput, BackwardWeight, FinishOptimizerStep, ForwardMicroBatch,
-                                            LoadMicroBatchOf, MicroBatch, RecvActivationFrom, RecvGradFrom,
-                                            SendActivationTo, SendGradTo, StaggeredOptimizerStep, WaitSends)
+from ds_recycle.engine.instructions import (
+    BackwardInput,
+    BackwardWeight,
+    FinishOptimizerStep,
+    ForwardMicroBatch,
+    LoadMicroBatchOf,
+    MicroBatch,
+    RecvActivationFrom,
+    RecvGradFrom,
+    SendActivationTo,
+    SendGradTo,
+    StaggeredOptimizerStep,
+    WaitSends,
+)
 
 __all__ = ["WorkKind", "WorkItem", "PlanLike", "PlanNotRunnableError", "PlanSchedule", "Repair", "worker_items",
            "lower_worker_items", "repair_items", "check_plan_for_job"]

@@ -19,7 +19,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from ds_recycle.launcher.hosts import HostfileError, Layout, resolve_layout
+from ds_recycle.launcher.hosts import Layout, resolve_layout
 from ds_recycle.launcher.job import JobSpec, Program, worker_specs
 from ds_recycle.launcher.policy import ExitPolicy
 from ds_recycle.launcher.remote import default_env_files, exported_env, ssh_command

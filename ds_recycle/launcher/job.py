@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from ds_recycle.launcher.hosts import Layout
 from ds_recycle.launcher.policy import ExitPolicy

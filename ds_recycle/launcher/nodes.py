@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch.distributed import Store
 

@@ -27,8 +27,8 @@ is 128 + the signal number.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ds_recycle.launcher.worker import ExitKind, WorkerExit, exit_kind
 

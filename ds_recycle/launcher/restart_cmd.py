@@ -19,7 +19,8 @@ import argparse
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.restart_requests import RestartResult, new_request_id

@@ -15,8 +15,8 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from types import FrameType, TracebackType
-from typing import Sequence
 
 from torch.distributed import Store
 
@@ -24,8 +24,7 @@ from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.job import JobSpec
 from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
-from ds_recycle.launcher.restart_requests import (RankState, RestartResult, explain_refusal,
-                                                  judge_restart_request)
+from ds_recycle.launcher.restart_requests import RankState, RestartResult, explain_refusal, judge_restart_request
 from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
 
 __all__ = ["Supervisor"]

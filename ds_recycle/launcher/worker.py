@@ -20,8 +20,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import IO, Mapping, TextIO
+from typing import IO, TextIO
 
 __all__ = ["LOST_EXIT_CODE", "ExitKind", "exit_kind", "WorkerExit", "WorkerSpec", "Worker", "OutputSink", "describe_returncode"]
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError, StageLostError

@@ -15,8 +15,9 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError

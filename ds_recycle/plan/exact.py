@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -169,7 +169,7 @@ def _dependencies(model: _Model, var: dict, groups: dict, costs: CostModel, S: i
         model.row({group: 1, v: -1}, dur, inf)
         if k > 0:
             model.row({v: 1, groups[(-1 if sync else s, k - 1)]: -1}, costs.O[s], inf)
-    for (g, k), v in groups.items():
+    for (g, _k), v in groups.items():
         longest = max(costs.O) if g < 0 else costs.O[g]
         model.row({c_var: 1, v: -1}, longest, inf)
 
@@ -181,7 +181,7 @@ def _load_cuts(model: _Model, start: dict, groups: dict, costs: CostModel, K: in
     through the stages before it) plus the durations of all its F, B and W; the O of iteration k no earlier
     than the end of O of iteration k-1 plus that iteration's work.
     """
-    for (p, s), ops in start.items():
+    for (_p, s), ops in start.items():
         prefix = sum(costs.F[j] + costs.comm for j in range(s))
         for k in range(K):
             work = sum(costs.of(key[0].value, s) for key, _ in ops if key[0] is not _O and key[1] == k)
@@ -196,7 +196,7 @@ def _disjunctions(model: _Model, start: dict, var: dict, costs: CostModel, horiz
                   limit: int | None) -> None:
     inf = np.inf
     big = 2 * horizon + 1.0
-    for (p, s), ops in start.items():
+    for (_p, s), ops in start.items():
         fbw = [(key, v) for key, v in ops if key[0] is not _O]
         order: dict[tuple[int, int], int | None] = {}  # (a, b) -> binary "a before b"; None: always
         for (ka, va), (kb, vb) in itertools.combinations(fbw, 2):

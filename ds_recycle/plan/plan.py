@@ -1,8 +1,9 @@
 """The :class:`Plan`: every live worker's ops in execution order, with planned times; JSON in and out."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError

@@ -7,7 +7,7 @@ workers, starting at a different peer on each stage, so every live worker of a s
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from ds_recycle.plan.bounds import failures_per_stage
 from ds_recycle.plan.ops import MicroBatch, Worker

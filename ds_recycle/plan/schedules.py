@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from ds_recycle.plan.bounds import check_shape, failures_per_stage
 from ds_recycle.plan.costs import CostModel
@@ -80,7 +80,8 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     """The plan of ``schedule`` for this shape and failure set (see the module docstring).
 
     ``variants``: how many greedy variants to try (default: all of them (six, twelve under a memory
-    limit) up to 8,000 ops, three (four) up to 30,000, else one (two); see :data:`VARIANTS_BY_SIZE`). ``time_budget`` (seconds) stops trying further variants once spent (the
+    limit) up to 8,000 ops, three (four) up to 30,000, else one (two); see :data:`VARIANTS_BY_SIZE`). ``time_budget``
+    (seconds) stops trying further variants once spent (the
     first always runs); it makes the result depend on the machine's speed, so caches and tests leave it
     unset.
     Raises :class:`StageLostError` when every worker of some stage failed, :class:`PlanError` on bad input.

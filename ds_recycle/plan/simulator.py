@@ -16,8 +16,8 @@ fixed duration per stage regardless of how many workers take part; compute times
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
 
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import DeadlockError, PlanError
@@ -41,7 +41,7 @@ class SimResult:
     """Most micro-batches each worker holds at once (start of F to end of W)."""
 
 
-def simulate(orders: Mapping[Worker, Sequence[Union[OpKey, Op]]], costs: CostModel, *,
+def simulate(orders: Mapping[Worker, Sequence[OpKey | Op]], costs: CostModel, *,
              optimizer: str = "staggered", fused_backward: bool = False) -> SimResult:
     """Run the orders under ``costs``; raise :class:`DeadlockError` if they cannot all finish.
 

@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ds_recycle.plan.errors import PlanValidationError
 from ds_recycle.plan.ops import OpKind, Worker

@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ class FailureProbe:
     when its exit key is already gone again (the launcher deletes it when it restarts the rank)."""
     _count: int = -1
 
-    def arm(self, members: Sequence[int]) -> "FailureProbe":
+    def arm(self, members: Sequence[int]) -> FailureProbe:
         """Watch ``members`` from now on (at the start of an epoch)."""
         self.members = tuple(members)
         self.incarnations = {r: incarnation(self.store, self.keys, r) for r in self.members}

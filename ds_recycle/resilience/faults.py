@@ -13,8 +13,8 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch.distributed as dist
 

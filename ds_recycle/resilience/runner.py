@@ -38,9 +38,17 @@ from ds_recycle.resilience.comm import PeerFailure
 from ds_recycle.resilience.faults import FaultInjector, FaultSpec, Phase
 from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
 from ds_recycle.resilience.membership import MembershipError, agree_members
-from ds_recycle.resilience.rejoin import (JobClosed, JoinTicket, decide_requests, file_request, stage_sources,
-                                          transfer_stage_state, wait_for_ticket, write_tickets)
 from ds_recycle.resilience.regroup import EpochGrid
+from ds_recycle.resilience.rejoin import (
+    JobClosed,
+    JoinTicket,
+    decide_requests,
+    file_request,
+    stage_sources,
+    transfer_stage_state,
+    wait_for_ticket,
+    write_tickets,
+)
 from ds_recycle.resilience.salvage import Report, decide, redo_point
 from ds_recycle.resilience.snapshot import SnapshotRing
 from ds_recycle.resilience.store import StoreKeys, connect_store

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 __all__ = ["Failure", "parse_failures", "Progress", "progress", "steady_rate", "checkpoint_cost", "events_of_kind", "latest_checkpoint",
            "fallback_times"]

@@ -23,10 +23,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Sequence
+from typing import Any
 
 from ds_recycle.tools.procs import catches, descendants, rss_bytes, scan_proc, start_ticks, worker_pids
 

@@ -8,11 +8,12 @@ The parsing functions are pure, so they are tested on hand-written ``/proc`` tex
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
-__all__ = ["ProcInfo", "parse_stat", "parse_environ", "caught_signals", "catches", "rss_bytes", "start_ticks", "descendants", "rank_pids", "scan_proc", "worker_pids"]
+__all__ = ["ProcInfo", "parse_stat", "parse_environ", "caught_signals", "catches", "rss_bytes", "start_ticks",
+           "descendants", "rank_pids", "scan_proc", "worker_pids"]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from ds_recycle.config import ConfigError, TrainConfig, load_config
 
@@ -169,7 +169,7 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume(runner: "object", args: argparse.Namespace) -> int:
+def _resume(runner: object, args: argparse.Namespace) -> int:
     """The first iteration to run: 0, or the data position saved with the latest checkpoint."""
     if not args.resume:
         return 0
@@ -181,7 +181,7 @@ def _resume(runner: "object", args: argparse.Namespace) -> int:
     return start
 
 
-def _make_runner(cfg: TrainConfig, world: "object") -> "object":
+def _make_runner(cfg: TrainConfig, world: object) -> object:
     if not cfg.recycle.enabled:
         from ds_recycle.train.vanilla import VanillaRunner
 

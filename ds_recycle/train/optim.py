@@ -5,7 +5,7 @@ ds_recycle always builds torch's own optimizers: DeepSpeed's fused ones are comp
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -1,7 +1,7 @@
 """Gather the whole model's parameters, all stages, onto one rank."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

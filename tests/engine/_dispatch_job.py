@@ -14,13 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> int:
     from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
+    from plans import one_f_one_b
 
     from ds_recycle.config import load_config
     from ds_recycle.engine import instructions as ins
     from ds_recycle.engine.engine import RecyclePipelineEngine
     from ds_recycle.engine.runner import RecycleRunner
     from ds_recycle.train.distributed import init_worker
-    from plans import one_f_one_b
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},

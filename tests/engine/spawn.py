@@ -7,8 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from ds_recycle.plan import CostModel, make_plan
 from ds_recycle.runtime.grid import WorkerMap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plans import Kind, HandOp, HandPlan, one_f_one_b  # noqa: E402
+from plans import HandOp, HandPlan, Kind, one_f_one_b  # noqa: E402
 
 # (stages, pipelines, micro-batches, absent): failure-free, absent first/last/middle stage, two absent
 CASES = [(2, 2, 4, ()), (3, 2, 5, ()), (2, 2, 4, ((1, 0),)), (2, 2, 4, ((0, 1),)), (3, 2, 3, ((1, 1),)),

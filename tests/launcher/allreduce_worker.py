@@ -5,7 +5,8 @@
 Options: ``--die_rank R --die_step S --die_how {sigkill,exit1,exit75}`` makes rank R fail at step S (in its
 first run only, so a restarted rank finishes); ``--hang_rank R`` makes rank R sleep forever after init (for
 stop tests); ``--local_only`` skips torch.distributed entirely (each step only sleeps), so the other ranks
-are unaffected by a death; ``--deepspeed`` initializes through ``deepspeed.init_distributed``. Survivors that see a collective fail (the dead peer) print ``PEER_FAILED`` and
+are unaffected by a death; ``--deepspeed`` initializes through ``deepspeed.init_distributed``. Survivors that see a
+collective fail (the dead peer) print ``PEER_FAILED`` and
 exit 0 with ``os._exit`` (the group references a dead peer, so a clean teardown is not possible). Every rank
 prints ``READY rank=R pid=P`` after init and ``DONE rank=R sum=X`` at the end.
 """

@@ -1,7 +1,7 @@
 """The ``launch`` fixture: start ``ds-recycle launch`` jobs that cannot outlive the test (see launch_harness)."""
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 

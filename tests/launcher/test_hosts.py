@@ -5,8 +5,16 @@ from pathlib import Path
 
 import pytest
 
-from ds_recycle.launcher.hosts import (HostfileError, Layout, NodeSlots, filter_resources, limit_resources,
-                                       parse_hostfile, parse_node_specs, resolve_layout)
+from ds_recycle.launcher.hosts import (
+    HostfileError,
+    Layout,
+    NodeSlots,
+    filter_resources,
+    limit_resources,
+    parse_hostfile,
+    parse_node_specs,
+    resolve_layout,
+)
 
 HOSTFILE = """\
 # two boxes

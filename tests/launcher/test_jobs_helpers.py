@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from ds_recycle.tools.goodput import (Failure, checkpoint_cost, events_of_kind, latest_checkpoint, parse_failures,
-                                      progress, steady_rate)
+from ds_recycle.tools.goodput import (
+    Failure,
+    checkpoint_cost,
+    events_of_kind,
+    latest_checkpoint,
+    parse_failures,
+    progress,
+    steady_rate,
+)
 from ds_recycle.tools.jobs import MetricsTail, rank_of
 from ds_recycle.tools.procs import ProcInfo, descendants, parse_environ, parse_stat, rank_pids, worker_pids
 

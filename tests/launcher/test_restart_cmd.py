@@ -14,9 +14,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from torch.distributed import TCPStore

@@ -6,8 +6,14 @@ from dataclasses import replace
 import pytest
 
 from ds_recycle.launcher.policy import ExitPolicy
-from ds_recycle.launcher.restart_requests import (RankState, Refusal, RestartResult, explain_refusal,
-                                                  judge_restart_request, new_request_id)
+from ds_recycle.launcher.restart_requests import (
+    RankState,
+    Refusal,
+    RestartResult,
+    explain_refusal,
+    judge_restart_request,
+    new_request_id,
+)
 from ds_recycle.launcher.worker import WorkerExit
 
 POLICY = ExitPolicy(max_restarts=2)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import pytest
 import torch.distributed as dist

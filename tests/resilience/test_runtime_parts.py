@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ds_recycle.config import ConfigError, load_config
-from ds_recycle.resilience.snapshot import SnapshotRing
-from ds_recycle.resilience.runner import faults_of
 from ds_recycle.resilience.faults import Phase
+from ds_recycle.resilience.runner import faults_of
+from ds_recycle.resilience.snapshot import SnapshotRing
 from ds_recycle.train.loop import _load, parse_args
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ NSDI 2023, and the Bamboo model in Oobleck's public simulator):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ds_recycle.cluster.ledger import Phase
 from ds_recycle.cluster.systems.base import SimContext, System, SystemKind

@@ -12,8 +12,9 @@ import enum
 import heapq
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import ClassVar
 
 from ds_recycle.cluster.assumptions import Assumptions
 from ds_recycle.cluster.ledger import CheckpointPolicy, Ledger, Phase

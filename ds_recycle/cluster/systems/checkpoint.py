@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ds_recycle.cluster.assumptions import ShrinkPolicy
 from ds_recycle.cluster.systems.base import SimContext, System, SystemKind

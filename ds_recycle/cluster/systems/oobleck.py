@@ -19,7 +19,7 @@ arXiv 2309.08125, and its public simulator):
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ds_recycle.cluster.systems.base import SimContext, System, SystemKind
 

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ds_recycle.cluster.systems.base import SimContext, System, SystemKind
 from ds_recycle.cluster.timing import StageLostError

@@ -17,7 +17,7 @@ there is one node per stage.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ds_recycle.cluster.systems.base import SimContext, System, SystemKind
 
