@@ -1,18 +1,32 @@
 """ds_recycle: ReCycle (SOSP 2024) for DeepSpeed's pipeline engine.
 
-Pure-Python parts (the planner in :mod:`ds_recycle.plan`, the cluster simulator in
-:mod:`ds_recycle.cluster`) import neither torch nor DeepSpeed; the runtime parts do. ``initialize`` and
-``build_pipeline_module`` (the engine's entry points, mirroring ``deepspeed.initialize``) are imported on
-first use, so ``import ds_recycle`` stays light.
+``ds_recycle.initialize`` is ``deepspeed.initialize`` for a ``PipelineModule`` with the ReCycle engine
+(:mod:`ds_recycle.api`): a DeepSpeed pipeline script changes in its import and that one call. Pure-Python
+parts (the planner in :mod:`ds_recycle.plan`, the cluster simulator in :mod:`ds_recycle.cluster`) import
+neither torch nor DeepSpeed; ``initialize`` is imported on first use, so ``import ds_recycle`` stays light.
+When DeepSpeed is already imported, ``import ds_recycle`` keeps its ``init_distributed`` on a CPU machine
+from JIT-compiling a shared-memory op that training never uses (about two minutes the first time).
 """
 from __future__ import annotations
 
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "initialize", "build_pipeline_module"]
+__all__ = ["__version__", "initialize"]
 
-_LAZY = {"initialize": "ds_recycle.engine.initialize", "build_pipeline_module": "ds_recycle.engine.initialize"}
+_LAZY = {"initialize": "ds_recycle.api"}
+
+
+def _spare_cpu_jit() -> None:
+    import sys
+
+    if "deepspeed" in sys.modules:
+        from ds_recycle.resilience.world import disable_cpu_jit_ops
+
+        disable_cpu_jit_ops()
+
+
+_spare_cpu_jit()
 
 
 def __getattr__(name: str) -> Any:

@@ -149,9 +149,6 @@ class RecycleConfig:
         if self.memory_limit is not None and self.memory_limit < 1:
             raise ConfigError("recycle.memory_limit", f"{self.memory_limit} is below 1",
                               "use a positive number of micro-batches, or null")
-        if self.model.n_layer < self.stages:
-            raise ConfigError("recycle.model.n_layer", f"{self.model.n_layer} blocks cannot fill {self.stages} stages",
-                              f"use at least {self.stages} layers or fewer stages")
         self._check_assume_failed()
         self._check_faults()
 
@@ -230,6 +227,9 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
         raise ConfigError("<top>", "the config is not a JSON object", "write the config as {...}")
     raw = dict(source)
     recycle = parse_dataclass(RecycleConfig, raw.pop("recycle", {}), "recycle")
+    if recycle.model.n_layer < recycle.stages:
+        raise ConfigError("recycle.model.n_layer", f"{recycle.model.n_layer} blocks cannot fill {recycle.stages} "
+                          "stages", f"use at least {recycle.stages} layers or fewer stages")
     opt_type, opt_params = _optimizer(raw.pop("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}}))
     mbs, gas = _required_int(raw, "train_micro_batch_size_per_gpu"), _required_int(raw, "gradient_accumulation_steps")
     _check_batch(raw, recycle, mbs, gas)

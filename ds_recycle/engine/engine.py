@@ -22,12 +22,13 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import MethodType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.pipe import engine as ds_pipe_engine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -35,7 +36,8 @@ from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, PeerChannel
-from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job
+from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
+from ds_recycle.engine.state import gather_state_dict
 from ds_recycle.runtime.grid import SurvivorGrid
 
 __all__ = ["IterationProgress", "MicroBatchSourceLike", "RecyclePipelineEngine", "served_pipelines"]
@@ -87,6 +89,15 @@ def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset
     return frozenset(served.get(worker, set())), any(len(v) > 1 for v in served.values())
 
 
+def _to_device(value: Any, device: torch.device) -> Any:
+    """A tensor, or a tuple or list of them, moved to ``device`` (anything else as it is)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
 @contextlib.contextmanager
 def _without_pipe_handshake() -> Iterator[None]:
     """Skip ``PipelineEngine.__init__``'s warm-up send to the same-pipeline neighbour (absent with holes)."""
@@ -136,6 +147,14 @@ class RecyclePipelineEngine(PipelineEngine):
         """When set, the next ``train_batch`` runs only what is left of the interrupted iteration."""
         self.op_seconds: dict[str, list[float]] | None = None
         """When a dict, each executed instruction's wall time is appended under its class name."""
+        self._loss_work: Any = None
+        self._calls = 0
+        self._closed = False
+        """``train_batch`` calls so far (a worker that joined at iteration k returns its first k calls at once)."""
+        self.job_config: Any = None
+        """The resolved job config (:class:`~ds_recycle.config.job.JobConfig`), set by ``ds_recycle.initialize``."""
+        self.resilience: Any = None
+        """The failure handler (:class:`~ds_recycle.resilience.runner.ResilientRunner`) under ``ds-recycle launch``."""
 
     # ------------------------------------------------------------------ schedule and loop
     def _make_schedule(self, iteration: int) -> PlanSchedule:
@@ -151,13 +170,27 @@ class RecyclePipelineEngine(PipelineEngine):
         """True on the one rank that holds the iteration loss (the first live worker of the last stage)."""
         return self.global_rank == self.reporter_rank
 
-    def train_batch(self, data_iter: Any = None) -> torch.Tensor | None:  # type: ignore[override]
-        """Run one iteration of the plan; returns the mean loss over the ``D x M`` micro-batches on the reporter.
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:  # type: ignore[override]
+        """Train on one global batch; returns its mean loss (over ``D x M`` micro-batches) on every live rank.
 
-        Data comes from the engine's ``MicroBatchSource`` (``data_iter`` must be None).
+        As DeepSpeed's ``train_batch``. Under ``ds-recycle launch`` the engine's failure handler keeps it
+        going through worker failures: a call returns once the iteration is complete, whoever computed it.
+        ``data_iter`` (optional) replaces the data source: it must be addressable (see
+        :func:`ds_recycle.data.addressable.from_data_iter`), because a peer may have to load another
+        pipeline's micro-batches.
         """
         if data_iter is not None:
-            raise ValueError("RecyclePipelineEngine reads micro-batches from its MicroBatchSource; pass no data_iter")
+            self.data = self._addressable(data_iter)
+        self._calls += 1
+        if self._calls <= self.iteration:  # a restarted worker that joined at a later iteration: its loop catches up
+            return torch.full((), float("nan"))
+        if self.resilience is not None:
+            return self.resilience.train_batch()
+        self.run_iteration()
+        return self._share_loss(self._broadcast_loss, lambda work: work.wait())
+
+    def run_iteration(self) -> torch.Tensor | None:
+        """Run this worker's part of one iteration of the plan; the mean loss on the reporter, else None."""
         self.module.train()
         self._iteration_loss = None
         schedule = self._train_schedule()
@@ -168,17 +201,97 @@ class RecyclePipelineEngine(PipelineEngine):
         self.iteration += 1
         return self._iteration_loss
 
+    def _share_loss(self, broadcast: Callable[[torch.Tensor, int], Any], wait: Callable[[Any], None]) -> torch.Tensor:
+        """The last iteration's loss, from the reporter to every rank (DeepSpeed returns it everywhere).
+
+        The reporter posts it and goes on (its send completes by the next iteration's end); the others wait
+        for it. A loss nobody holds (a failure took its reporter right after the iteration) is NaN.
+        """
+        loss = self._iteration_loss
+        value = torch.full((), float("nan")) if loss is None else loss.detach().float().reshape(()).clone()
+        work = broadcast(value, self.reporter_rank)
+        if not self.is_reporter():
+            wait(work)
+        self.loss = self.agg_train_loss = value
+        return value
+
+    def _broadcast_loss(self, tensor: torch.Tensor, src: int) -> Any:
+        previous, self._loss_work = self._loss_work, None
+        if previous is not None:
+            previous.wait()
+        work = dist.broadcast(tensor, src, group=self.grid.world_proc_group, async_op=True)
+        if self.is_reporter():
+            self._loss_work = work
+        return work
+
+    def _addressable(self, data_iter: Any) -> MicroBatchSourceLike:
+        if hasattr(data_iter, "micro_batch"):
+            return cast(MicroBatchSourceLike, data_iter)
+        from ds_recycle.data.addressable import from_data_iter
+
+        return cast(MicroBatchSourceLike, from_data_iter(data_iter, self.micro_batches))
+
     def eval_batch(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Not supported: DeepSpeed's evaluation schedule talks to same-pipeline neighbours only."""
         raise NotImplementedError("RecyclePipelineEngine does not evaluate: DeepSpeed's eval_batch uses "
                                   "same-pipeline p2p and a WORLD barrier; evaluate with the vanilla engine")
 
     def finish(self) -> StepOutcome | None:
-        """Complete the last optimizer step (post-validation) and outstanding sends; call after training."""
+        """Complete the last optimizer step (post-validation) and outstanding sends; call after training.
+
+        Parameters read right after the last ``train_batch`` may still see a step that post-validation
+        redoes with clipping; after ``finish`` (also run at exit) they are final.
+        """
+        if self.resilience is not None:
+            self.resilience.finish()
+            return self.last_step
+        return self.finish_local()
+
+    def finish_local(self) -> StepOutcome | None:
+        """:meth:`finish` on this worker alone (no failure handling)."""
         self._exec_finish_optimizer_step()
         self.channel.wait_sends()
+        if self._loss_work is not None:
+            self._loss_work.wait()
+            self._loss_work = None
         self.stepper.close()
         return self.last_step
+
+    # ------------------------------------------------------------------ what a training loop reads
+    def recycle_events(self) -> list[dict[str, Any]]:
+        """Failures, agreements, plan switches, recoveries, rejoins, checkpoints since the last call."""
+        return self.resilience.drain_events() if self.resilience is not None else []
+
+    @property
+    def live_workers(self) -> int:
+        """Workers alive in the job now."""
+        return len(self.resilience.members) if self.resilience is not None else self.workers.world_size
+
+    @property
+    def rerouted_microbatches(self) -> int:
+        """(stage, micro-batch) pairs of an iteration processed by a worker of another pipeline, in the current plan."""
+        return rerouted_microbatches(self.plan)
+
+    def gather_final_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's final parameters by name (all stages) on the reporter; None on other ranks."""
+        if self.resilience is not None:
+            return self.resilience.gather_final_state()  # type: ignore[no-any-return]
+        self.finish_local()
+        return gather_state_dict(self.module, contributes=self.global_rank == self.workers.stage_ranks(self.stage_id)[0],
+                                 dst=self.reporter_rank)
+
+    def close(self) -> None:
+        """End of training: the last step is final, the job's groups are released (every rank calls it once)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.resilience is not None:
+            self.resilience.close()
+            return
+        self.finish_local()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
@@ -209,18 +322,19 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _exec_load_micro_batch_of(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self._slot(buffer_id, micro_batch)
-        inputs, labels = self.data.micro_batch(self.iteration, micro_batch[0], micro_batch[1])
-        if self.is_first_stage():
-            slot.inputs = inputs.to(self.device)
+        batch = self.data.micro_batch(self.iteration, micro_batch[0], micro_batch[1])
+        if self.is_first_stage():  # as DeepSpeed: the first stage feeds batch[0], the last one's loss reads batch[1]
+            slot.inputs = _to_device(batch[0], self.device)
         if self.is_last_stage():
-            slot.labels = labels.to(self.device)
+            slot.labels = _to_device(batch[1], self.device)
 
     def _exec_forward_micro_batch(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self.slots[buffer_id]
         with self.capture.capture() as captured:
             out = self.module(slot.inputs)
             if self.is_last_stage():
-                loss = self.module.loss_fn(out, slot.labels)
+                loss_fn = self.module.loss_fn
+                loss = out if loss_fn is None else loss_fn(out, slot.labels)  # no loss_fn: the output is the loss
                 if slot.mb not in self.progress.loss_counted:  # a repaired iteration forwards some again
                     self.progress.loss_counted.add(slot.mb)
                     self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()

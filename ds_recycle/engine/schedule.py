@@ -47,7 +47,8 @@ from ds_recycle.engine.instructions import (
     WaitSends,
 )
 
-__all__ = ["WorkKind", "WorkItem", "PlanLike", "PlanNotRunnableError", "PlanSchedule", "Repair", "worker_items",
+__all__ = ["WorkKind", "WorkItem", "PlanLike", "PlanNotRunnableError", "PlanSchedule", "Repair", "rerouted_microbatches",
+           "worker_items",
            "lower_worker_items", "repair_items", "check_plan_for_job"]
 
 Worker = tuple[int, int]
@@ -294,3 +295,9 @@ class PlanSchedule(PipeSchedule):
 
     def num_pipe_buffers(self) -> int:
         return self._buffers
+
+
+def rerouted_microbatches(plan: PlanLike) -> int:
+    """(stage, micro-batch) pairs of one iteration processed by a worker of another pipeline."""
+    return sum(plan.worker_of(s, (d, i))[0] != d for s in range(plan.stages) for d in range(plan.pipelines)
+               for i in range(plan.microbatches))

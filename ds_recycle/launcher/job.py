@@ -13,9 +13,16 @@ from ds_recycle.launcher.worker import LOST_EXIT_CODE, WorkerSpec
 __all__ = ["JobSpec", "Program", "worker_env", "worker_specs"]
 
 
+_BOOTSTRAP = "ds_recycle.launcher.bootstrap"
+
+
 @dataclass(frozen=True)
 class Program:
-    """The user's program: ``python -u script args``, ``python -u -m module args`` or ``executable args``."""
+    """The user's program: ``python -u script args``, ``python -u -m module args`` or ``executable args``.
+
+    Python targets run through :mod:`ds_recycle.launcher.bootstrap`, which sets up the process group a
+    surviving job needs (also in a restarted rank) before the script's own ``deepspeed.init_distributed()``.
+    """
 
     target: str
     args: tuple[str, ...] = ()
@@ -30,7 +37,10 @@ class Program:
             raise ValueError("--module and --no_python exclude each other: --module runs `python -m TARGET`")
 
     def argv(self, local_rank: int) -> tuple[str, ...]:
-        head = (self.target,) if self.no_python else (self.python, "-u", *(("-m",) if self.module else ()), self.target)
+        if self.no_python:
+            head: tuple[str, ...] = (self.target,)
+        else:
+            head = (self.python, "-u", "-m", _BOOTSTRAP, *(("-m",) if self.module else ()), self.target)
         return head + ((f"--local_rank={local_rank}",) if self.pass_local_rank else ()) + self.args
 
 

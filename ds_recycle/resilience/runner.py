@@ -1,8 +1,9 @@
-"""``ResilientRunner``: the ReCycle engine surviving worker failures at run time.
+"""``ResilientRunner``: the failure handler a :class:`RecyclePipelineEngine` owns under ``ds-recycle launch``.
 
-Under ``ds-recycle launch`` (whose store outlives every worker) ``launch/train.py`` builds this runner.
-It is a :class:`~ds_recycle.engine.runner.RecycleRunner` whose transfers and collectives run on
-per-epoch gloo groups with bounded waits (:mod:`ds_recycle.resilience.transport`). On a
+``ds_recycle.initialize`` attaches one to the engine when the launcher's store (which outlives every
+worker) is there, and ``engine.train_batch()`` runs through it, so a user's own training loop survives
+failures with nothing added. The engine's transfers and collectives run on per-epoch gloo groups with
+bounded waits (:mod:`ds_recycle.resilience.transport`). On a
 :class:`~ds_recycle.resilience.comm.PeerFailure` every survivor:
 
 1. announces the iteration it holds a snapshot for and agrees on the live members (store, first writer wins);
@@ -14,7 +15,7 @@ per-epoch gloo groups with bounded waits (:mod:`ds_recycle.resilience.transport`
 
 A restarted worker joins the members at an iteration boundary (:mod:`ds_recycle.resilience.rejoin`).
 
-Each step is an event (``kind``, ``time_s``, details) in the iteration's :class:`IterationResult`, and the
+Each step is an event (``kind``, ``time_s``, details; ``engine.recycle_events()`` drains them), and the
 time from the kill to the first full iteration after it is recorded with its breakdown.
 """
 from __future__ import annotations
@@ -27,11 +28,13 @@ import time
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
-from ds_recycle.config import TrainConfig
+from ds_recycle.config.job import JobConfig
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.engine import IterationProgress, served_pipelines
-from ds_recycle.engine.runner import RecycleRunner
+from ds_recycle.engine.engine import IterationProgress, RecyclePipelineEngine, served_pipelines
+from ds_recycle.engine.schedule import rerouted_microbatches
+from ds_recycle.engine.state import cpu_state_dict, merge_in_layer_order
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
 from ds_recycle.resilience.comm import PeerFailure
@@ -54,8 +57,6 @@ from ds_recycle.resilience.snapshot import SnapshotRing
 from ds_recycle.resilience.store import StoreKeys, connect_store
 from ds_recycle.resilience.transport import BoundedChannel, BoundedOptimizer, EpochComm
 from ds_recycle.runtime.grid import WorkerMap
-from ds_recycle.train.runner import IterationResult
-from ds_recycle.train.state import cpu_state_dict, merge_in_layer_order
 
 __all__ = ["ResilientRunner", "faults_of"]
 
@@ -69,19 +70,23 @@ _PHASES: dict[type, Phase] = {
 }
 
 
-def faults_of(cfg: TrainConfig) -> list[FaultSpec]:
+def faults_of(cfg: JobConfig) -> list[FaultSpec]:
     """The config's ``recycle.faults`` as fault specs."""
     return [FaultSpec(f.worker[0], f.worker[1], f.iteration, Phase(f.phase)) for f in cfg.recycle.faults]
 
 
-class ResilientRunner(RecycleRunner):
-    """A :class:`RecycleRunner` that survives the loss of workers (see the module docstring)."""
+class ResilientRunner:
+    """The failure handler of one engine (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, world: Any) -> None:
-        super().__init__(cfg, world)
+    def __init__(self, engine: RecyclePipelineEngine, cfg: JobConfig, rejoining: bool = False) -> None:
         rc = cfg.recycle
         self.cfg = cfg
-        self.rank = world.rank
+        self.engine = engine
+        self.workers, self.plan = engine.workers, engine.plan
+        self.rerouted = rerouted_microbatches(engine.plan)
+        self._finished = False
+        self._loss_work: Any = None
+        self.rank = engine.global_rank
         self.store = connect_store(timeout_s=rc.failure_timeout_s)
         self.generation = int(self.store.add(ckpt.GENERATION_KEY, 0))
         """How many times the job fell back to a checkpoint; names this incarnation's store keys."""
@@ -110,7 +115,7 @@ class ResilientRunner(RecycleRunner):
         self._join_checked: int | None = None
         self.joined_at: int | None = None
         """The iteration at which this process joined the running job (None: it started with the job)."""
-        if getattr(world, "rejoining", False):
+        if rejoining:
             self._join()
         else:
             self._install(self._build_comm(""), self.workers, self.plan)
@@ -185,12 +190,31 @@ class ResilientRunner(RecycleRunner):
         return run
 
     # ------------------------------------------------------------------ training
-    def train_iteration(self, iteration: int) -> IterationResult:
-        self._target = iteration + 1
-        loss = self._advance(self._target)
-        events, self.events = tuple(self.events), []
-        return IterationResult(loss=None if loss is None else float(loss), live_workers=len(self.members),
-                               rerouted_microbatches=self.rerouted, events=events)
+    def train_batch(self) -> torch.Tensor:
+        """One iteration, through any failures: its mean loss on every live rank (``engine.train_batch``)."""
+        self._target = self.engine.iteration + 1
+
+        def run() -> torch.Tensor:
+            self._advance(self._target)
+            return self.engine._share_loss(self._broadcast_loss, self._wait_loss)
+        return self._with_recovery(run)  # type: ignore[no-any-return]
+
+    def _broadcast_loss(self, tensor: torch.Tensor, src: int) -> Any:
+        previous, self._loss_work = self._loss_work, None
+        if previous is not None and previous[0] is self.comm:  # one of a past epoch was retired with its groups
+            self.comm.wait(previous[1], "loss broadcast")
+        work = self.comm.norm.broadcast(tensor, src)
+        if self.rank == src:
+            self._loss_work = (self.comm, work)
+        return work
+
+    def _wait_loss(self, work: Any) -> None:
+        self.comm.wait(work, "loss broadcast")
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        """The events (failure, agreement, plan switch, recovery, rejoin, ...) since the last call."""
+        events, self.events = self.events, []
+        return events
 
     def _advance(self, target: int) -> Any:
         """Run engine iterations until ``target`` iterations are done, recovering from failures on the way."""
@@ -204,7 +228,7 @@ class ResilientRunner(RecycleRunner):
                 if self.comm.probe.failed():
                     raise PeerFailure("a member exited (seen at the iteration boundary)")
                 self._admit_joiners()
-                loss = self.engine.train_batch()
+                loss = self.engine.run_iteration()
                 self._note_recovered()
             except PeerFailure as failure:
                 self._recover(failure)
@@ -434,21 +458,26 @@ class ResilientRunner(RecycleRunner):
 
     def load_checkpoint(self, directory: str) -> int | None:
         if self.joined_at is not None:  # state came from a live replica, newer than any checkpoint
+            self.engine._calls = self.joined_at  # the loop resumes where the job is: no calls to catch up
             return self.joined_at
         start = ckpt.load_stage(self.engine, directory)
         if start is not None:
-            self._target = start
+            self._target = self.engine._calls = start
             self.snapshots = SnapshotRing()
             if self.generation:
                 self._event("resumed", iteration=start, generation=self.generation, directory=directory)
         return start
 
     # ------------------------------------------------------------------ end of training
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """Training is over: the last step is final on every member (recovering from failures on the way)."""
         self.store.set(self.keys.join_closed, "1")  # training is over: a restarted worker has nothing to join
         while not self._finished:
             try:
-                self.engine.finish()
+                self.engine.finish_local()
+                if self._loss_work is not None and self._loss_work[0] is self.comm:
+                    self.comm.wait(self._loss_work[1], "loss broadcast")
+                self._loss_work = None
                 self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "end-of-training barrier")
                 self._finished = True
                 st = self.engine.stepper
@@ -460,7 +489,7 @@ class ResilientRunner(RecycleRunner):
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         """Every stage's parameters on the reporter, through the store (valid whatever groups died)."""
-        self._finish()
+        self.finish()
         stage = self.engine.stage_id
         key = f"{self.keys.root}/final/{self.epoch}/stage/"
         if self.rank == self.workers.stage_ranks(stage)[0]:
@@ -476,11 +505,13 @@ class ResilientRunner(RecycleRunner):
         return self.rank == self.engine.reporter_rank
 
     def close(self) -> None:
-        self._finish()
+        self.finish()
         self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "closing barrier")
         if self.epoch == 0 and self.joined_at is None:
             self.heartbeat.stop()
-            super().close()
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
             return
         # The WORLD group still references a dead peer (or is detached): tearing it down could abort; leave.
         self._exit(0)

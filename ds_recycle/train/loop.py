@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 
 from ds_recycle.config import ConfigError, TrainConfig, load_config
+from ds_recycle.resilience.world import World, init_worker
+from ds_recycle.train.runner import Runner
 
 logger = logging.getLogger("ds_recycle.train")
 
@@ -120,7 +122,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
-    from ds_recycle.train.distributed import init_worker
     from ds_recycle.train.metrics import MetricsWriter
 
     world = init_worker()
@@ -138,8 +139,7 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
                              "offline"), run_name=args.run_name, append=takeover)
 
     metrics = open_metrics(False) if runner.is_reporter() else None
-    joined_at = getattr(runner, "joined_at", None)  # a restarted worker that joined the running job
-    start = joined_at if joined_at is not None else _resume(runner, args)
+    start = _resume(runner, args)  # a restarted worker that joined the running job catches up inside the engine
     first_loss = last_loss = None
     for it in range(start, args.steps):
         t0 = time.perf_counter()
@@ -169,11 +169,11 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume(runner: object, args: argparse.Namespace) -> int:
+def _resume(runner: Runner, args: argparse.Namespace) -> int:
     """The first iteration to run: 0, or the data position saved with the latest checkpoint."""
     if not args.resume:
         return 0
-    start = runner.load_checkpoint(args.checkpoint_dir)  # type: ignore[attr-defined]
+    start = runner.load_checkpoint(args.checkpoint_dir)
     if start is None:
         logger.info("no checkpoint in %s: starting at iteration 0", args.checkpoint_dir)
         return 0
@@ -181,20 +181,16 @@ def _resume(runner: object, args: argparse.Namespace) -> int:
     return start
 
 
-def _make_runner(cfg: TrainConfig, world: object) -> object:
+def _make_runner(cfg: TrainConfig, world: World) -> Runner:
     if not cfg.recycle.enabled:
         from ds_recycle.train.vanilla import VanillaRunner
 
-        return VanillaRunner(cfg, world)  # type: ignore[arg-type]
-    if getattr(world, "resilient", False):
-        from ds_recycle.resilience.runner import ResilientRunner
-
-        return ResilientRunner(cfg, world)
-    if cfg.recycle.faults:
+        return VanillaRunner(cfg, world)
+    if cfg.recycle.faults and not world.resilient:
         logger.warning("recycle.faults is set but this launcher does not keep survivors alive: use ds-recycle launch")
-    from ds_recycle.engine.runner import RecycleRunner
+    from ds_recycle.train.recycle import EngineRunner
 
-    return RecycleRunner(cfg, world)
+    return EngineRunner(cfg, world)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ import torch.distributed as dist
 
 from ds_recycle.config import TrainConfig
 from ds_recycle.data import MicroBatchSource
+from ds_recycle.engine.state import gather_state_dict
 from ds_recycle.model import build_pipeline_module
-from ds_recycle.train.distributed import World
+from ds_recycle.resilience.world import World
 from ds_recycle.train.optim import build_optimizer
 from ds_recycle.train.runner import IterationResult
-from ds_recycle.train.state import gather_state_dict
 
 logger = logging.getLogger(__name__)
 

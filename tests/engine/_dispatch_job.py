@@ -19,14 +19,18 @@ def main() -> int:
     from ds_recycle.config import load_config
     from ds_recycle.engine import instructions as ins
     from ds_recycle.engine.engine import RecyclePipelineEngine
-    from ds_recycle.engine.runner import RecycleRunner
-    from ds_recycle.train.distributed import init_worker
+    import ds_recycle
+    from ds_recycle.config._strict import to_jsonable
+    from ds_recycle.data import MicroBatchSource
+    from ds_recycle.model import build_pipeline_module
+    from ds_recycle.resilience.world import init_worker
+    from ds_recycle.train.optim import build_optimizer
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
                        "recycle": {"stages": 1, "pipelines": 1,
                                    "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 16}}})
-    world = init_worker()
+    init_worker()
     called: list[str] = []
 
     class Spy(RecyclePipelineEngine):
@@ -38,8 +42,10 @@ def main() -> int:
 
         _INSTRUCTION_MAP = {**RecyclePipelineEngine._INSTRUCTION_MAP, ins.BackwardWeight: _exec_backward_weight}
 
-    runner = RecycleRunner(cfg, world, plan=one_f_one_b(1, 1, 2))
-    engine = runner.engine
+    module = build_pipeline_module(cfg.recycle.model, 1)
+    engine, *_ = ds_recycle.initialize(model=module, config={**cfg.deepspeed, "recycle": to_jsonable(cfg.recycle)},
+                                       training_data=MicroBatchSource(cfg), plan=one_f_one_b(1, 1, 2),
+                                       optimizer=build_optimizer(cfg, module.parameters()))
     engine.enable_op_timing()
     engine.__class__ = Spy
     loss = engine.train_batch()
@@ -64,7 +70,7 @@ def main() -> int:
     report["whole_model_norm"] = None if outcome is None else outcome.norm
     report["steps"] = engine.global_steps
     print("REPORT " + json.dumps(report))
-    runner.close()
+    engine.close()
     return 0
 
 

@@ -36,8 +36,9 @@ def test_user_arguments_pass_through_untouched() -> None:
 
 
 def test_program_argv() -> None:
-    assert Program("t.py", ("--x",), python="py").argv(3) == ("py", "-u", "t.py", "--local_rank=3", "--x")
-    assert Program("pkg.t", module=True, pass_local_rank=False, python="py").argv(0) == ("py", "-u", "-m", "pkg.t")
+    boot = ("py", "-u", "-m", "ds_recycle.launcher.bootstrap")
+    assert Program("t.py", ("--x",), python="py").argv(3) == (*boot, "t.py", "--local_rank=3", "--x")
+    assert Program("pkg.t", module=True, pass_local_rank=False, python="py").argv(0) == (*boot, "-m", "pkg.t")
     assert Program("./run.sh", ("1",), no_python=True).argv(1) == ("./run.sh", "--local_rank=1", "1")
     with pytest.raises(ValueError, match="--module and --no_python"):
         Program("x", module=True, no_python=True)

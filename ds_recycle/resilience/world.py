@@ -1,4 +1,13 @@
-"""Process-group start-up for a worker, the same under ``ds-recycle launch``, ``deepspeed`` and ``torchrun``."""
+"""Process-group start-up for a worker, the same under ``ds-recycle launch``, ``deepspeed`` and ``torchrun``.
+
+:func:`init_worker` is what ``deepspeed.init_distributed()`` does, plus what a job that survives failures
+needs first: under ``ds-recycle launch`` a rank restarted while the others train starts on a detached WORLD
+(:mod:`ds_recycle.resilience.detached`), and a job that fell back to a checkpoint starts under a fresh store
+prefix. It never JIT-compiles DeepSpeed's CPU shared-memory op (only inference all-reduce uses it). The
+launcher's bootstrap (:mod:`ds_recycle.launcher.bootstrap`) calls it before a user's script runs, so the
+script's own ``deepspeed.init_distributed()`` finds the process group ready and only wraps it. Calling it
+again returns the same :class:`World`.
+"""
 from __future__ import annotations
 
 import logging
@@ -10,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["World", "init_worker"]
+__all__ = ["World", "disable_cpu_jit_ops", "init_worker", "under_recycle_launcher"]
 
 
 @dataclass(frozen=True)
@@ -26,22 +35,44 @@ class World:
     """A restarted worker joining a running job: its WORLD is detached, its state comes from a live peer."""
 
 
+_WORLD: World | None = None
+
+
+def under_recycle_launcher() -> bool:
+    """True in a worker started by ``ds-recycle launch`` (whose store outlives every worker)."""
+    return os.environ.get("DS_RECYCLE_LAUNCHER") == "1" and bool(os.environ.get("DS_RECYCLE_STORE"))
+
+
+def disable_cpu_jit_ops() -> None:
+    """Keep ``deepspeed.init_distributed()`` on CPU from JIT-compiling its shared-memory op (~2 min cold)."""
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
     """Initialise ``torch.distributed`` (gloo on CPU) through DeepSpeed, without its hidden JIT builds.
 
     One compute thread per process unless ``OMP_NUM_THREADS`` or ``threads`` says otherwise: several
     workers sharing a CPU are many times slower when each uses several threads.
     """
+    global _WORLD
+    if _WORLD is not None:
+        return _WORLD
     torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    import deepspeed
-    import deepspeed.ops
+    disable_cpu_jit_ops()
+    from deepspeed.comm.comm import init_distributed  # DeepSpeed's own (the launcher's bootstrap routes the
+    # public names, deepspeed.init_distributed and deepspeed.comm.init_distributed, here)
 
-    # The CPU accelerator would JIT-compile a shared-memory op only inference all-reduce uses.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = "gloo" if not torch.cuda.is_available() else "nccl"
     rejoining = False
-    if os.environ.get("DS_RECYCLE_LAUNCHER") == "1" and os.environ.get("DS_RECYCLE_STORE"):
+    import torch.distributed as dist
+
+    if under_recycle_launcher() and not dist.is_initialized():
         # After a fallback to a checkpoint the job runs again under a fresh store prefix (the old WORLD's
         # keys are still in the launcher's store); generation 0 uses the ordinary env:// start-up; a rank
         # restarted while the others train on joins them on a detached WORLD.
@@ -52,12 +83,11 @@ def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
 
             init_detached_world(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s)
             rejoining = True
-    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
-    import torch.distributed as dist
-
+    init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size(),
                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                  resilient=os.environ.get("DS_RECYCLE_LAUNCHER") == "1", rejoining=rejoining)
+                  resilient=under_recycle_launcher(), rejoining=rejoining)
     if torch.cuda.is_available():
         torch.cuda.set_device(world.local_rank)
+    _WORLD = world
     return world

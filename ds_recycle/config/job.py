@@ -1,0 +1,168 @@
+"""The config of a user's job: DeepSpeed's JSON, with an optional ``"recycle"`` section, for a module and world.
+
+``ds_recycle.initialize`` gets what ``deepspeed.initialize`` gets: a DeepSpeed config (a dict, a path, or
+``args.deepspeed_config``) and a ``PipelineModule``. :func:`job_config` reads it the way DeepSpeed does,
+with ReCycle's additions:
+
+- ``S`` is the module's ``num_stages`` and ``D`` the world size over ``S``; ``recycle.stages`` and
+  ``recycle.pipelines`` may be omitted, and when given must agree;
+- any two of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps``
+  (or one, as DeepSpeed allows) determine the third, with DeepSpeed's rules; all three are then written out;
+- an ``"optimizer"`` block of type Adam or AdamW is built by DeepSpeed as torch's optimizer on a CPU machine
+  (``torch_adam``; ``weight_decay`` defaults to 0, as for DeepSpeed's fused Adam), never JIT-compiled;
+- what ReCycle cannot run is refused here, with the reason and the fix: ZeRO stage 1 or more (it shards the
+  optimizer state ReCycle needs replicated on every pipeline), fp16 and bf16 (their loss scaling and
+  master weights are not in the ReCycle engine yet), a world size that is not a multiple of ``S``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_recycle.config._strict import parse_dataclass, to_jsonable
+from ds_recycle.config.errors import ConfigError
+from ds_recycle.config.schema import RecycleConfig
+
+__all__ = ["JobConfig", "job_config", "read_deepspeed_config"]
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A user job's resolved configuration."""
+
+    recycle: RecycleConfig
+    """The ``"recycle"`` section with ``stages`` and ``pipelines`` taken from the module and the world."""
+    deepspeed: dict[str, Any]
+    """The config DeepSpeed's engine is built with (no ``"recycle"``; batch keys resolved)."""
+    micro_batch_size: int
+    micro_batches: int
+    """Micro-batches per pipeline per iteration, ``M`` (DeepSpeed's gradient_accumulation_steps)."""
+    gradient_clipping: float
+
+    def resolved(self) -> dict[str, Any]:
+        """The whole resolved configuration, for the start-up log and the metrics."""
+        return {"recycle": to_jsonable(self.recycle), "deepspeed": self.deepspeed}
+
+
+def read_deepspeed_config(config: str | Path | dict[str, Any] | None, args: Any = None,
+                          config_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config dict from ``config`` (dict or path), ``config_params`` or ``args.deepspeed_config``."""
+    source: Any = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise ConfigError("--deepspeed_config", "no DeepSpeed config given",
+                          "pass config=dict or a path, or args with args.deepspeed_config")
+    if isinstance(source, dict):
+        return dict(source)
+    path = str(source)
+    try:
+        loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("--deepspeed_config", f"no file at {path}", "pass the path of a JSON config") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError("--deepspeed_config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError("<top>", f"{path} is not a JSON object", "write the config as {...}")
+    return loaded
+
+
+def job_config(source: dict[str, Any], *, stages: int, world_size: int, cpu: bool = True,
+               absent: frozenset[tuple[int, int]] = frozenset()) -> JobConfig:
+    """Resolve ``source`` for a job of ``stages`` stages on ``world_size`` workers (see the module docstring).
+
+    ``absent``: the workers a module built on a grid with holes lacks from the start (``world_size`` counts
+    them); ``recycle.assume_failed`` must name exactly those.
+    """
+    if world_size % stages:
+        raise ConfigError("num_stages", f"{world_size} processes are not a multiple of the module's {stages} stages",
+                          f"launch a multiple of {stages} processes, or build the PipelineModule with a "
+                          "num_stages that divides the world size")
+    pipelines = world_size // stages
+    raw = dict(source)
+    section = raw.pop("recycle", {})
+    if not isinstance(section, dict):
+        raise ConfigError("recycle", f"expected a JSON object, got {section!r}", "write 'recycle' as {...}")
+    for key, have, where in (("stages", stages, "the PipelineModule's num_stages"),
+                             ("pipelines", pipelines, f"the world size {world_size} over {stages} stages")):
+        if key in section and section[key] != have:
+            raise ConfigError(f"recycle.{key}", f"{section[key]!r}, but {where} is {have}",
+                              f"remove recycle.{key} (it comes from the job) or set it to {have}")
+    recycle = parse_dataclass(RecycleConfig, {**section, "stages": stages, "pipelines": pipelines}, "recycle")
+    if frozenset(recycle.assume_failed) != absent:
+        if not absent:
+            raise ConfigError("recycle.assume_failed", "a PipelineModule built with num_stages= needs every worker "
+                              "at start", "launch all S x D workers and empty assume_failed (to try a failure, kill "
+                              "a worker: its peers take over its micro-batches)")
+        raise ConfigError("recycle.assume_failed", f"{sorted(recycle.assume_failed)}, but the module's grid lacks "
+                          f"{sorted(absent)}", "list exactly the workers the module was built without")
+    mbs, gas = _resolve_batch(raw, pipelines)
+    _refuse_unsupported(raw)
+    clip = raw.setdefault("gradient_clipping", 1.0)  # DeepSpeed's own default, made explicit
+    if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
+        raise ConfigError("gradient_clipping", f"{clip!r} is not a non-negative number", "use 0.0 (off) or e.g. 1.0")
+    if cpu and "optimizer" in raw:
+        raw["optimizer"] = _torch_adam_on_cpu(raw["optimizer"])
+    return JobConfig(recycle=recycle, deepspeed=raw, micro_batch_size=mbs, micro_batches=gas,
+                     gradient_clipping=float(clip))
+
+
+def _positive(raw: dict[str, Any], key: str) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(key, f"{value!r} is not a positive integer", f"set '{key}' to a positive integer")
+    return value
+
+
+def _resolve_batch(raw: dict[str, Any], dp: int) -> tuple[int, int]:
+    """DeepSpeed's batch rules: (micro-batch size, gradient accumulation steps); all three keys written to ``raw``."""
+    tbs, mbs, gas = (_positive(raw, k) for k in _BATCH_KEYS)
+    if tbs is None and mbs is None:
+        raise ConfigError("train_micro_batch_size_per_gpu", "neither it nor train_batch_size is set",
+                          "set two of train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps")
+    if tbs is not None and mbs is not None and gas is None:
+        gas = tbs // (mbs * dp)
+    elif tbs is not None and mbs is None:
+        gas = gas or 1
+        mbs = tbs // (gas * dp)
+    gas = gas or 1
+    assert mbs is not None
+    want = mbs * gas * dp
+    if mbs < 1 or (tbs is not None and tbs != want):
+        raise ConfigError("train_batch_size", f"{tbs} is not train_micro_batch_size_per_gpu ({mbs}) x "
+                          f"gradient_accumulation_steps ({gas}) x data-parallel size ({dp}) = {want}",
+                          f"set train_batch_size to {want}, or change the factors so they multiply to it")
+    raw.update(train_batch_size=want, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
+    return mbs, gas
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    zero = raw.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
+    if stage not in (0, False, None):
+        raise ConfigError("zero_optimization.stage", f"{stage!r}: ZeRO stage 1 or more shards the optimizer state "
+                          "across the data-parallel replicas, the very state ReCycle needs whole on every pipeline to "
+                          "take over a failed worker's micro-batches", "use stage 0 (or run without ds_recycle)")
+    for key in ("fp16", "bf16"):
+        block = raw.get(key, {})
+        if isinstance(block, dict) and block.get("enabled", False):
+            raise ConfigError(f"{key}.enabled", f"{key} training (loss scaling, master weights) is not in the "
+                              "ReCycle engine yet", f"set {key}.enabled to false (fp32), or recycle.enabled to false")
+
+
+def _torch_adam_on_cpu(block: Any) -> Any:
+    """Adam/AdamW built as torch's optimizer (``torch_adam``) with fused Adam's defaults, not JIT-compiled."""
+    if not isinstance(block, dict) or str(block.get("type", "")).lower() not in ("adam", "adamw"):
+        return block
+    params = dict(block.get("params", {}))
+    if "torch_adam" not in params:
+        params["torch_adam"] = True
+        params.setdefault("weight_decay", 0.0)  # fused Adam's default; torch's AdamW would use 0.01
+    return {**block, "params": params}
+

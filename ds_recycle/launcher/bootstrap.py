@@ -1,0 +1,96 @@
+"""What ``ds-recycle launch`` runs in each worker around the user's script: ``python -m ds_recycle.launcher.bootstrap``.
+
+    python -u -m ds_recycle.launcher.bootstrap train.py --deepspeed_config ds.json        # a script
+    python -u -m ds_recycle.launcher.bootstrap -m my_pkg.train --deepspeed_config ds.json  # a module
+
+It runs the script as ``__main__`` with its own ``sys.argv``, after arranging that DeepSpeed's
+``init_distributed`` (``deepspeed.init_distributed()``, ``deepspeed.comm.init_distributed()``, and the call
+``deepspeed.initialize`` makes when the script made none) starts the process group the way a job that
+survives failures needs (:func:`ds_recycle.resilience.world.init_worker`): a rank restarted while the others
+train starts on a detached WORLD, a job that fell back to a checkpoint starts under a fresh store prefix,
+DeepSpeed's CPU shared-memory op is not JIT-compiled, and a CPU worker computes on one thread. The script's
+``PipelineModule`` construction (with its group creations) then runs unchanged, also in a restarted worker:
+nothing in the user's script changes. DeepSpeed is patched when the script first imports it, so a script
+that does not use DeepSpeed pays nothing.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+__all__ = ["install_deepspeed_hook", "main"]
+
+_USAGE = "usage: python -m ds_recycle.launcher.bootstrap [-m MODULE | SCRIPT] [ARGS...]"
+
+
+def _recycle_init_distributed(*args: Any, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed`` under ``ds-recycle launch``: :func:`init_worker` (same arguments accepted)."""
+    from ds_recycle.resilience.world import init_worker
+
+    timeout = kwargs.get("timeout")
+    init_worker(timeout_s=timeout.total_seconds() if isinstance(timeout, timedelta) else 600.0)
+
+
+def _patch(deepspeed: ModuleType) -> None:
+    deepspeed.init_distributed = _recycle_init_distributed  # type: ignore[attr-defined]
+    deepspeed.comm.init_distributed = _recycle_init_distributed  # type: ignore[attr-defined]
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``deepspeed`` like the normal finders, and patches it right after it has executed."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None,
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            _patch(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install_deepspeed_hook() -> None:
+    """Route DeepSpeed's ``init_distributed`` through :func:`init_worker` (now, or when DeepSpeed is imported)."""
+    if "deepspeed" in sys.modules:
+        _patch(sys.modules["deepspeed"])
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_module = bool(args) and args[0] == "-m"
+    if as_module:
+        args = args[1:]
+    if not args:
+        sys.stderr.write(_USAGE + "\n")
+        raise SystemExit(2)
+    install_deepspeed_hook()
+    target = args[0]
+    sys.argv = args
+    if as_module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script.py` does
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

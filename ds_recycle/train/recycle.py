@@ -1,0 +1,82 @@
+"""The built-in GPT on ds_recycle's engine, through the public API like any user's script.
+
+``launch/train.py`` builds this runner when ``recycle.enabled`` is true: it builds the GPT as a DeepSpeed
+``PipelineModule``, hands it to :func:`ds_recycle.initialize` with the corpus as addressable data
+(``MicroBatchSource.micro_batch(step, pipeline, index)``), and drives ``engine.train_batch()``. Under
+``ds-recycle launch`` the engine survives failures itself; this runner only reads what the engine
+reports (events, live workers, re-routed micro-batches). The config's ``assume_failed`` workers are
+absent from the start: the module is then built on a grid with those holes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+import ds_recycle
+from ds_recycle.config import TrainConfig
+from ds_recycle.config._strict import to_jsonable
+from ds_recycle.data import MicroBatchSource
+from ds_recycle.engine.engine import RecyclePipelineEngine
+from ds_recycle.model import build_pipeline_module
+from ds_recycle.resilience.world import World
+from ds_recycle.runtime.grid import SurvivorGrid, WorkerMap, survivor_module_grid
+from ds_recycle.train.optim import build_optimizer
+from ds_recycle.train.runner import IterationResult
+
+__all__ = ["EngineRunner"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRunner:
+    """ds_recycle's engine on the GPT: the planner's plan, B/W split, staggered step, failure survival."""
+
+    def __init__(self, cfg: TrainConfig, world: World) -> None:
+        rc = cfg.recycle
+        if rc.assume_failed:
+            grid = SurvivorGrid(WorkerMap.dense(rc.stages, rc.pipelines, frozenset(rc.assume_failed)),
+                                timeout_s=rc.failure_timeout_s)
+            with survivor_module_grid(grid):
+                module = build_pipeline_module(rc.model, rc.stages, topology=grid.topology())
+        else:
+            module = build_pipeline_module(rc.model, rc.stages)
+        config = {**cfg.deepspeed, "recycle": to_jsonable(rc)}
+        engine, *_ = ds_recycle.initialize(model=module, config=config, training_data=MicroBatchSource(cfg),
+                                           optimizer=build_optimizer(cfg, module.parameters()))
+        self.engine: RecyclePipelineEngine = engine
+        self.world = world
+
+    @property
+    def handler(self) -> Any:
+        """The engine's failure handler (``ds-recycle launch``), or None."""
+        return self.engine.resilience
+
+    def train_iteration(self, iteration: int) -> IterationResult:
+        """One ``engine.train_batch()`` (a worker that joined later returns NaN until its loop catches up)."""
+        loss = self.engine.train_batch()
+        events = tuple(self.engine.recycle_events())
+        value = float(loss)
+        return IterationResult(loss=None if value != value else value, live_workers=self.engine.live_workers,
+                               rerouted_microbatches=self.engine.rerouted_microbatches, events=events)
+
+    def is_reporter(self) -> bool:
+        return self.engine.is_reporter()
+
+    def gather_final_state(self) -> dict[str, torch.Tensor] | None:
+        return self.engine.gather_final_state()
+
+    def save_checkpoint(self, directory: str, next_iteration: int) -> None:
+        if self.handler is None:
+            raise RuntimeError("checkpoints of the ReCycle engine are written under ds-recycle launch; "
+                               "run with it, or with --vanilla")
+        self.handler.save_checkpoint(directory, next_iteration)
+
+    def load_checkpoint(self, directory: str) -> int | None:
+        if self.handler is None:
+            raise RuntimeError("checkpoints of the ReCycle engine are read under ds-recycle launch")
+        return self.handler.load_checkpoint(directory)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.engine.close()
