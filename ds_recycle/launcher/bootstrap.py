@@ -15,11 +15,13 @@ that does not use DeepSpeed pays nothing.
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
 import runpy
+import signal
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -82,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args:
         sys.stderr.write(_USAGE + "\n")
         raise SystemExit(2)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's Python stack to stderr, for hangs
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     install_deepspeed_hook()
     target = args[0]
     sys.argv = args
