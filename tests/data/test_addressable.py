@@ -6,8 +6,11 @@ on data-parallel rank ``d`` (a ``DistributedSampler(shuffle=False)``, a ``DeepSp
 """
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +20,9 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader, RepeatingLoader
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from spawn import spawn  # noqa: E402
 
 from ds_recycle.data import AddressableData, DeepSpeedOrder, NotAddressableError, as_addressable
 from ds_recycle.data.addressable import resolve_batch_sizes
@@ -377,3 +383,22 @@ def test_an_object_with_the_hook_is_its_own_addressable_data() -> None:
     assert as_addressable(hooked, 4) is hooked
     assert isinstance(hooked, AddressableData)
     assert isinstance(DeepSpeedOrder(Pairs(4), 1, 1, 1), AddressableData)
+
+
+# ---- the real engine ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_stock_pipeline_engines_read_exactly_this_order() -> None:
+    """Two ranks (1 stage x 2 pipelines) of stock ``deepspeed.initialize(training_data=...)``: three epochs of
+    ``engine.data_iterator`` equal ``from_config``'s order on the engine's own data-parallel rank."""
+    outs = spawn(2, ["tests/data/_order_job.py"], timeout=240)
+    reports = [json.loads(line.split("REPORT ", 1)[1]) for out in outs for line in out.splitlines()
+               if line.startswith("REPORT ")]
+    assert len(reports) == 2
+    assert sorted(r[0]["rank"] for r in reports) == [0, 1]
+    for report in reports:
+        for case in report:
+            assert case["compared"] >= 12 and case["mismatches"] == [], case
+            assert case["batches_per_epoch"][0] == case["batches_per_epoch"][1], case
+            assert case["from_data_iter_agrees"], case
