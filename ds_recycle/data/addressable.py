@@ -89,7 +89,12 @@ class DeepSpeedOrder:
     fixed sampler epoch) every epoch yields the same batches. The ``train_batch`` of step ``t`` draws ``M``
     (gradient accumulation steps) batches, so micro-batch ``index`` is batch ``t*M + index`` of the stream.
 
-    Fields beyond the first five describe other ``DistributedSampler`` loaders (see :meth:`from_data_iter`):
+    ``pipeline`` is the data-parallel rank (``engine.grid.get_data_parallel_rank()``). Not reproduced, as
+    they change no value: pinned memory (``pin_memory=True`` on an accelerator), and the seed torch's
+    ``DataLoader`` draws from the global CPU generator at every epoch start (torch 2.13
+    ``utils/data/dataloader.py:690``), which shifts a vanilla first or last stage's global RNG stream.
+
+    Fields beyond the first six describe other ``DistributedSampler`` loaders (see :meth:`from_data_iter`):
     ``shuffle``/``seed``/``sampler_epoch``/``sampler_drop_last`` are the sampler's, ``repeat`` says whether a
     new epoch follows the last batch (``False``: one epoch, as ``iter(DataLoader)``), and at step
     ``first_step`` each rank's loader had already yielded ``consumed`` batches.
@@ -121,8 +126,9 @@ class DeepSpeedOrder:
             raise ValueError(
                 f"each data-parallel rank's loader yields no batch: {len(self)} samples over "
                 f"{self.data_parallel_size} ranks give {self.samples_per_replica} per rank, fewer than "
-                f"micro_batch_size={self.micro_batch_size} with drop_last; vanilla DeepSpeed raises "
-                "StopIteration at its first step. Use a larger dataset, a smaller micro-batch or drop_last=False")
+                f"micro_batch_size={self.micro_batch_size} with drop_last (or none at all); vanilla "
+                "DeepSpeed raises StopIteration at its first step. Use a larger dataset, a smaller micro-batch "
+                "or drop_last=False")
         if self.consumed < 0 or (not self.repeat and self.consumed > self.batches_per_epoch):
             raise ValueError(f"consumed={self.consumed} batches is outside the stream of "
                              f"{self.batches_per_epoch} batches (repeat={self.repeat})")
@@ -139,6 +145,21 @@ class DeepSpeedOrder:
         return cls(dataset, micro_batch_size, data_parallel_size, micro_batches,
                    collate_fn=collate_fn if collate_fn is not None else default_collate,
                    drop_last=bool(config.get("dataloader_drop_last", False)))
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> DeepSpeedOrder:
+        """The order of a built ``PipelineEngine``'s own ``training_data=`` loader, from the engine's settings
+        (``training_data``, ``collate_fn``: ``runtime/engine.py:531-532``; the grid's data-parallel size)."""
+        if engine.training_data is None:
+            raise NotAddressableError("the engine was built without `training_data=`, so it has no loader of its "
+                                      "own to reproduce")
+        if engine.curriculum_learning_enabled():
+            raise NotAddressableError("the engine samples by curriculum (DeepSpeedDataSampler), whose order "
+                                      "depends on training progress")
+        return cls(engine.training_data, engine.train_micro_batch_size_per_gpu(), engine.grid.data_parallel_size,
+                   engine.micro_batches,
+                   collate_fn=engine.collate_fn if engine.collate_fn is not None else default_collate,
+                   drop_last=bool(engine.dataloader_drop_last()))
 
     @classmethod
     def from_data_iter(cls, data_iter: Any, micro_batches: int, *, step: int = 0,

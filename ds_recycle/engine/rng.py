@@ -13,8 +13,9 @@ the CUDA generator of the chosen device) starts from a state seeded by
 
 Activation checkpointing: DeepSpeed's ``checkpointing.checkpoint`` (and torch's, with its default
 ``preserve_rng_state=True``) records the CPU and accelerator RNG states when the checkpointed segment
-first runs (``deepspeed/runtime/activation_checkpointing/checkpointing.py:620-622``) and puts them back for
-the recomputation during backward, restoring the backward-time states after (``:726-744``). Run inside
+first runs (``deepspeed/runtime/activation_checkpointing/checkpointing.py:620-622``; ``:846-848`` for the
+non-reentrant variant) and puts them back for the recomputation during backward, restoring the
+backward-time states after (``:726-744``; ``:962-979``). Run inside
 this context, the recorded state is the micro-batch's own, so the recomputation redraws the same masks
 wherever and whenever backward runs; the backward itself needs no context. DeepSpeed's model-parallel
 ``get_cuda_rng_tracker()`` states (Megatron-style ``fork()`` regions) are separate generators this context

@@ -68,6 +68,7 @@ def main() -> int:
                                                collate_fn=collate if number else None)
         order = DeepSpeedOrder.from_config(Samples(), config, dp, collate_fn=collate if number else None)
         rank = engine.grid.get_data_parallel_rank()
+        assert DeepSpeedOrder.from_engine(engine).collate_fn is (collate if number else order.collate_fn)
         read = DeepSpeedOrder.from_data_iter(engine.data_iterator, order.micro_batches, data_parallel_size=dp,
                                              data_parallel_rank=rank)
         steps = 3 * order.batches_per_epoch // order.micro_batches + 2
@@ -75,7 +76,8 @@ def main() -> int:
                       if not same(next(engine.data_iterator), order.micro_batch(t, rank, i))]
         report.append({"rank": rank, "compared": steps * order.micro_batches, "mismatches": mismatches,
                        "batches_per_epoch": [order.batches_per_epoch, len(engine.training_dataloader.loader)],
-                       "from_data_iter_agrees": read.state_dict() == order.state_dict()})
+                       "from_data_iter_agrees": read.state_dict() == order.state_dict(),
+                       "from_engine_agrees": DeepSpeedOrder.from_engine(engine).state_dict() == order.state_dict()})
     print("REPORT " + json.dumps(report), flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -391,7 +391,8 @@ def test_an_object_with_the_hook_is_its_own_addressable_data() -> None:
 @pytest.mark.multiprocess
 def test_stock_pipeline_engines_read_exactly_this_order() -> None:
     """Two ranks (1 stage x 2 pipelines) of stock ``deepspeed.initialize(training_data=...)``: three epochs of
-    ``engine.data_iterator`` equal ``from_config``'s order on the engine's own data-parallel rank."""
+    ``engine.data_iterator`` equal ``from_config``'s order on the engine's own data-parallel rank, and
+    ``from_engine`` and ``from_data_iter(engine.data_iterator)`` read the same order off the engine."""
     outs = spawn(2, ["tests/data/_order_job.py"], timeout=240)
     reports = [json.loads(line.split("REPORT ", 1)[1]) for out in outs for line in out.splitlines()
                if line.startswith("REPORT ")]
@@ -401,4 +402,4 @@ def test_stock_pipeline_engines_read_exactly_this_order() -> None:
         for case in report:
             assert case["compared"] >= 12 and case["mismatches"] == [], case
             assert case["batches_per_epoch"][0] == case["batches_per_epoch"][1], case
-            assert case["from_data_iter_agrees"], case
+            assert case["from_data_iter_agrees"] and case["from_engine_agrees"], case
