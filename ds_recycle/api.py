@@ -107,7 +107,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if holes is None:
         model._grid = SurvivorGrid(workers, timeout_s=cfg.recycle.failure_timeout_s)
     engine = _build_engine(model, optimizer, model_parameters, lr_scheduler, cfg, job_plan, data)
-    engine.job_config = cfg
+    engine.job_config, engine.rng_seed = cfg, cfg.recycle.rng_seed
     _close_at_exit(engine)
     if world.resilient:
         from ds_recycle.resilience.runner import ResilientRunner
@@ -165,8 +165,7 @@ def _data_source(training_data: Any, collate_fn: Callable[..., Any] | None, cfg:
                           "(a peer must be able to load another pipeline's micro-batch after a failure)")
     from ds_recycle.data.addressable import DeepSpeedOrder
 
-    return DeepSpeedOrder.from_config(training_data, cfg.deepspeed, pipelines=cfg.recycle.pipelines,
-                                      collate_fn=collate_fn)
+    return DeepSpeedOrder.from_config(training_data, cfg.deepspeed, cfg.recycle.pipelines, collate_fn=collate_fn)
 
 
 def _build_engine(model: PipelineModule, optimizer: Any, model_parameters: Iterable[Any] | None, lr_scheduler: Any,

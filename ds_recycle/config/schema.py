@@ -137,6 +137,9 @@ class RecycleConfig:
     salvage: bool = True
     """After a failure, keep the weight gradients the survivors finished in the interrupted iteration and
     run only the rest of it (when possible); false: always restore the iteration's start and redo it whole."""
+    rng_seed: int = 0
+    """Base seed of the per-micro-batch random streams: a micro-batch's forward (dropout) draws from a generator
+    seeded by ``(rng_seed, step, pipeline, index, stage)``, so it gets the same masks wherever it runs."""
     model: GPTConfig = field(default_factory=GPTConfig)
     """The GPT to train."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -36,6 +36,7 @@ from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, PeerChannel
+from ds_recycle.engine.rng import micro_batch_rng
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.state import gather_state_dict
 from ds_recycle.runtime.grid import SurvivorGrid
@@ -149,6 +150,9 @@ class RecyclePipelineEngine(PipelineEngine):
         """When a dict, each executed instruction's wall time is appended under its class name."""
         self._loss_work: Any = None
         self._calls = 0
+        self.rng_seed = 0
+        """Base of the per-micro-batch RNG seeds (``recycle.rng_seed``; :mod:`ds_recycle.engine.rng`)."""
+        self._data_iter: Any = None
         self._closed = False
         """``train_batch`` calls so far (a worker that joined at iteration k returns its first k calls at once)."""
         self.job_config: Any = None
@@ -225,11 +229,15 @@ class RecyclePipelineEngine(PipelineEngine):
         return work
 
     def _addressable(self, data_iter: Any) -> MicroBatchSourceLike:
-        if hasattr(data_iter, "micro_batch"):
-            return cast(MicroBatchSourceLike, data_iter)
-        from ds_recycle.data.addressable import from_data_iter
+        """``data_iter`` as an addressable source (built once per iterator object: loops pass the same one)."""
+        if data_iter is self._data_iter:
+            return self.data
+        from ds_recycle.data.addressable import as_addressable
 
-        return cast(MicroBatchSourceLike, from_data_iter(data_iter, self.micro_batches))
+        self._data_iter = data_iter
+        return cast(MicroBatchSourceLike, as_addressable(data_iter, self.micro_batches, step=self.iteration,
+                                                         data_parallel_size=self.workers.pipelines,
+                                                         data_parallel_rank=self.worker[0]))
 
     def eval_batch(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Not supported: DeepSpeed's evaluation schedule talks to same-pipeline neighbours only."""
@@ -330,7 +338,9 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _exec_forward_micro_batch(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self.slots[buffer_id]
-        with self.capture.capture() as captured:
+        mb = slot.mb
+        with self.capture.capture() as captured, micro_batch_rng(self.rng_seed, self.iteration, mb[0], mb[1],
+                                                                 self.stage_id):
             out = self.module(slot.inputs)
             if self.is_last_stage():
                 loss_fn = self.module.loss_fn

@@ -16,12 +16,12 @@ def main() -> int:
     from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
     from plans import one_f_one_b
 
-    from ds_recycle.config import load_config
-    from ds_recycle.engine import instructions as ins
-    from ds_recycle.engine.engine import RecyclePipelineEngine
     import ds_recycle
+    from ds_recycle.config import load_config
     from ds_recycle.config._strict import to_jsonable
     from ds_recycle.data import MicroBatchSource
+    from ds_recycle.engine import instructions as ins
+    from ds_recycle.engine.engine import RecyclePipelineEngine
     from ds_recycle.model import build_pipeline_module
     from ds_recycle.resilience.world import init_worker
     from ds_recycle.train.optim import build_optimizer
