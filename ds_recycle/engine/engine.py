@@ -153,6 +153,12 @@ class RecyclePipelineEngine(PipelineEngine):
         self.rng_seed = 0
         """Base of the per-micro-batch RNG seeds (``recycle.rng_seed``; :mod:`ds_recycle.engine.rng`)."""
         self._data_iter: Any = None
+        self._eval_iter: Any = None
+        self._eval_step = 0
+        self._eval_data: MicroBatchSourceLike | None = None
+        self._eval_sums = torch.zeros(0)
+        self._evaluating: int | None = None
+        """The eval step being run by :meth:`eval_batch`, or None while training."""
         self._closed = False
         """``train_batch`` calls so far (a worker that joined at iteration k returns its first k calls at once)."""
         self.job_config: Any = None
@@ -239,10 +245,59 @@ class RecyclePipelineEngine(PipelineEngine):
                                                          data_parallel_size=self.workers.pipelines,
                                                          data_parallel_rank=self.worker[0]))
 
-    def eval_batch(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """Not supported: DeepSpeed's evaluation schedule talks to same-pipeline neighbours only."""
-        raise NotImplementedError("RecyclePipelineEngine does not evaluate: DeepSpeed's eval_batch uses "
-                                  "same-pipeline p2p and a WORLD barrier; evaluate with the vanilla engine")
+    def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,  # type: ignore[override]
+                   reduce_output: str | None = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None,
+                   ) -> torch.Tensor:
+        """Forward ``M`` micro-batches of every pipeline; the mean loss of this rank's pipeline, as DeepSpeed.
+
+        Each pipeline reads its micro-batches from ``data_iter`` as in DeepSpeed (which must be addressable:
+        a DataLoader with a DistributedSampler, or an object with ``micro_batch(step, pipeline, index)``,
+        ``step`` counting this iterator's evaluations); a failed worker's micro-batches are forwarded by its
+        peers, routed as the current plan routes training. Every live rank gets its pipeline's loss.
+        """
+        if return_logits or not compute_loss or reduce_output != "avg" or num_micro_batches not in (None,
+                                                                                                    self.micro_batches):
+            raise ValueError("RecyclePipelineEngine.eval_batch returns the mean loss over the pipeline's "
+                             "gradient_accumulation_steps micro-batches (return_logits=False, compute_loss=True, "
+                             "reduce_output='avg', num_micro_batches=None)")
+        if data_iter is not self._eval_iter:
+            from ds_recycle.data.addressable import as_addressable
+
+            self._eval_iter, self._eval_step = data_iter, 0
+            self._eval_data = cast(MicroBatchSourceLike, as_addressable(
+                data_iter, self.micro_batches, data_parallel_size=self.workers.pipelines,
+                data_parallel_rank=self.worker[0]))
+        step, self._eval_step = self._eval_step, self._eval_step + 1
+        if self.resilience is not None:
+            return self.resilience.evaluate(lambda: self.run_evaluation(step))  # type: ignore[no-any-return]
+        return self.run_evaluation(step)
+
+    def run_evaluation(self, step: int) -> torch.Tensor:
+        """One evaluation pass at eval step ``step``; every rank returns its own pipeline's mean loss."""
+        self._exec_finish_optimizer_step()  # evaluate the parameters of a final step
+        self.module.eval()
+        self._eval_sums = torch.zeros(self.workers.pipelines)
+        schedule = PlanSchedule(self.plan, self.worker, self.workers.rank_of, step, synchronous=self.synchronous,
+                                forward_only=True)
+        evaluating, self._evaluating = self._evaluating, step
+        try:
+            with torch.no_grad():
+                self._exec_schedule(schedule)
+            self.channel.wait_sends()
+        finally:
+            self._evaluating = evaluating
+            self.drop_slots()
+            self.module.train()
+        sums = self._eval_sums
+        self._reduce_eval(sums)
+        return (sums / self.micro_batches)[self.worker[0]].clone()
+
+    def _reduce_eval(self, sums: torch.Tensor) -> None:
+        """Sum the per-pipeline loss sums over every live rank (hook: the failure handler bounds it)."""
+        if self.resilience is not None:
+            self.resilience.all_reduce_sum(sums, "evaluation loss")
+        else:
+            dist.all_reduce(sums, group=self.grid.world_proc_group)
 
     def finish(self) -> StepOutcome | None:
         """Complete the last optimizer step (post-validation) and outstanding sends; call after training.
@@ -330,7 +385,10 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _exec_load_micro_batch_of(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self._slot(buffer_id, micro_batch)
-        batch = self.data.micro_batch(self.iteration, micro_batch[0], micro_batch[1])
+        if self._evaluating is None:
+            batch = self.data.micro_batch(self.iteration, micro_batch[0], micro_batch[1])
+        else:
+            batch = self._eval_data.micro_batch(self._evaluating, micro_batch[0], micro_batch[1])
         if self.is_first_stage():  # as DeepSpeed: the first stage feeds batch[0], the last one's loss reads batch[1]
             slot.inputs = _to_device(batch[0], self.device)
         if self.is_last_stage():
@@ -345,6 +403,10 @@ class RecyclePipelineEngine(PipelineEngine):
             if self.is_last_stage():
                 loss_fn = self.module.loss_fn
                 loss = out if loss_fn is None else loss_fn(out, slot.labels)  # no loss_fn: the output is the loss
+                if self._evaluating is not None:
+                    self._eval_sums[mb[0]] += loss.detach().float().reshape(())
+                    slot.output = None
+                    return
                 if slot.mb not in self.progress.loss_counted:  # a repaired iteration forwards some again
                     self.progress.loss_counted.add(slot.mb)
                     self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()

@@ -266,11 +266,12 @@ class PlanSchedule(PipeSchedule):
     """DeepSpeed ``PipeSchedule`` that executes one worker's ops of one iteration of a plan.
 
     ``steps()`` yields one list of instructions per plan op (a step is atomic, as in DeepSpeed).
-    Training iteration ``k`` runs the plan's iteration ``min(k, plan.iterations - 1)``.
+    Training iteration ``k`` runs the plan's iteration ``min(k, plan.iterations - 1)``. ``forward_only``
+    keeps the F ops (evaluation: every micro-batch forwarded once per stage, routed as the plan routes it).
     """
 
     def __init__(self, plan: PlanLike, worker: Worker, rank_of: Callable[[Worker], int], iteration: int,
-                 synchronous: bool = False, repair: Repair | None = None) -> None:
+                 synchronous: bool = False, repair: Repair | None = None, forward_only: bool = False) -> None:
         super().__init__(micro_batches=plan.microbatches, stages=plan.stages, stage_id=worker[1])
         self.plan = plan
         self.worker = worker
@@ -282,6 +283,8 @@ class PlanSchedule(PipeSchedule):
             self.items = repair_items(self.items, worker[1], repair)
             stage = worker[1]
             sends_grad = lambda mb: stage > repair.lowest_unfinished_stage(mb)  # noqa: E731
+        if forward_only:  # evaluation: the plan's forwards, in its order and routing
+            self.items = [item for item in self.items if item.kind is WorkKind.F]
 
         def peer(stage: int, mb: MicroBatch) -> int:
             return rank_of(plan.worker_of(stage, mb))

@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -210,6 +211,15 @@ class ResilientRunner:
 
     def _wait_loss(self, work: Any) -> None:
         self.comm.wait(work, "loss broadcast")
+
+    def evaluate(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``run()`` (an evaluation pass) through failures: recover, bring training back to where it was, run again."""
+        self._target = self.engine.iteration
+        return self._with_recovery(run)  # type: ignore[no-any-return]
+
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
+        """Sum ``tensor`` over every member, in place (bounded; a failure raises :class:`PeerFailure`)."""
+        self.comm.wait(self.comm.norm.all_reduce_sum(tensor), what)
 
     def drain_events(self) -> list[dict[str, Any]]:
         """The events (failure, agreement, plan switch, recovery, rejoin, ...) since the last call."""
