@@ -65,12 +65,40 @@ def _env() -> dict[str, str]:
     return {"WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
 
 
-def _follow(job: TrainJob, tail: MetricsTail, until: Callable[[], bool], what: str) -> None:
-    """Poll the metrics until ``until()`` holds; fail if the launcher exits first or the job runs too long.
-    Stalls get a stack dump, a worker with runaway memory is killed (:class:`Watchdog`)."""
+def _event_text(event: dict[str, Any]) -> str:
+    kind = event.get("kind", "?")
+    if kind == "failure":
+        return f"FAILURE: lost worker(s) {event.get('lost_workers')} ({str(event.get('reason', ''))[:60]})"
+    if kind == "recovered":
+        return (f"recovered: failure -> first full iteration {event.get('failure_to_full_iteration_s', 0):.2f} s"
+                f"{' (in-flight iteration salvaged)' if event.get('salvaged') else ''}")
+    if kind == "rejoin":
+        return f"REJOIN: worker(s) {event.get('workers')} back at iteration {event.get('iteration')}"
+    if kind == "plan_switch":
+        return f"plan switch: absent {event.get('absent')}, {event.get('rerouted')} re-routed micro-batch steps"
+    if kind in ("fallback", "resumed", "checkpoint"):
+        return f"{kind}: {', '.join(f'{k}={v}' for k, v in event.items() if k not in ('kind', 'time_s'))}"
+    return kind
+
+
+def _show(name: str, records: list[dict[str, Any]]) -> None:
+    """One line per finished iteration, and the failure events as they happen."""
+    for rec in records:
+        loss = rec.get("loss")
+        print(f"  {name:<9} iter {rec['iter']:>3}  loss {loss if loss is None else f'{loss:.4f}'}  "
+              f"{rec['iter_time_s']:.2f} s  live {rec.get('live_workers', '?')}  "
+              f"re-routed {rec.get('rerouted_microbatches', 0)}", flush=True)
+        for event in rec.get("events") or []:
+            if event.get("kind") != "agreement":
+                print(f"  {name:<9}   -> {_event_text(event)}", flush=True)
+
+
+def _follow(job: TrainJob, tail: MetricsTail, until: Callable[[], bool], what: str, name: str) -> None:
+    """Poll the metrics (printing each iteration) until ``until()`` holds; fail if the launcher exits first or the
+    job runs too long. Stalls get a stack dump, a worker with runaway memory is killed (:class:`Watchdog`)."""
     deadline, dog = time.time() + JOB_TIMEOUT_S, Watchdog()
     while not until():
-        tail.poll()
+        _show(name, tail.poll())
         dog.check(job, tail)
         if not job.running and not until():
             raise SystemExit(f"{job.launcher.value} exited ({job.proc.returncode}) before {what}; see {job.log}")
@@ -94,7 +122,7 @@ def run_recycle(args: argparse.Namespace, common: list[str], out: Path) -> Side:
     tail = MetricsTail(out / "recycle.jsonl")
     with job:
         _follow(job, tail, lambda: f"tensors to {side.model}" in job.output(),
-                "the final model")
+                "the final model", "ds_recycle")
         if job.wait(args.linger) is None:  # e.g. a restarted worker that had not joined when training ended
             print(f"ds_recycle: final model saved; stopping the launcher, still running {args.linger:g} s later")
     tail.poll()
@@ -114,7 +142,7 @@ def _vanilla_job(args: argparse.Namespace, common: list[str], out: Path, life: i
 def _kill_in_iteration(job: TrainJob, tail: MetricsTail, iteration: int, rank: int) -> Kill:
     """SIGKILL ``rank`` half an iteration after the reporter finished ``iteration - 1``."""
     _follow(job, tail, lambda: tail.last is not None and tail.last["iter"] >= iteration - 1,
-            f"iteration {iteration - 1}")
+            f"iteration {iteration - 1}", "vanilla")
     times = [r["iter_time_s"] for r in tail.lives[-1][1:]] or [tail.last["iter_time_s"]]  # type: ignore[index]
     time.sleep(0.5 * statistics.median(times))
     kill = job.kill_rank(rank)
@@ -135,17 +163,22 @@ def run_vanilla(args: argparse.Namespace, common: list[str], out: Path) -> Side:
         tail = MetricsTail(out / "vanilla-0.jsonl")
         side.kills.append(_kill_in_iteration(job, tail, fault.iteration, rank_of(fault.pipeline, fault.stage,
                                                                                  args.pipelines)))
+        print(f"  vanilla     -> FAILURE: SIGKILL of rank {side.kills[0].rank} (pid {side.kills[0].pid}); "
+              "DeepSpeed's launcher ends the job", flush=True)
         job.wait(60.0)  # DeepSpeed's launcher takes the other workers down
-        tail.poll()
+        _show("vanilla", tail.poll())
     side.lives = tail.lives
+    print(f"  vanilla     -> restarting the whole job from its checkpoint in {args.restart_failed_after:g} s",
+          flush=True)
     time.sleep(args.restart_failed_after)
+    resumed = MetricsTail(out / "vanilla-1.jsonl")
     with _vanilla_job(args, common, out, 1, final=True) as job:
         side.job_starts.append(job.started_at)
+        _follow(job, resumed, lambda: not job.running, "the end of the resumed job", "vanilla")
         code = job.wait(JOB_TIMEOUT_S)
         if code != 0:
             raise SystemExit(f"vanilla's resumed job ended with {code}; see {job.log}")
-    resumed = MetricsTail(out / "vanilla-1.jsonl")
-    resumed.poll()
+    _show("vanilla", resumed.poll())
     side.lives += resumed.lives or [[]]
     print(f"vanilla: killed rank {side.kills[0].rank} (pid {side.kills[0].pid}) after iteration "
           f"{side.lives[0][-1]['iter']}; resumed at iteration {side.lives[1][0]['iter'] if side.lives[1] else '?'}")

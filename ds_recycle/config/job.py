@@ -17,6 +17,7 @@ with ReCycle's additions:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from ds_recycle.config._strict import parse_dataclass, to_jsonable
 from ds_recycle.config.errors import ConfigError
 from ds_recycle.config.schema import RecycleConfig
 
-__all__ = ["JobConfig", "job_config", "read_deepspeed_config"]
+__all__ = ["JobConfig", "batch_sizes", "job_config", "read_deepspeed_config"]
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -120,8 +121,11 @@ def _positive(raw: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _resolve_batch(raw: dict[str, Any], dp: int) -> tuple[int, int]:
-    """DeepSpeed's batch rules: (micro-batch size, gradient accumulation steps); all three keys written to ``raw``."""
+def batch_sizes(config: Mapping[str, Any], dp: int) -> tuple[int, int]:
+    """``(train_micro_batch_size_per_gpu, gradient_accumulation_steps)`` from any of DeepSpeed's batch keys,
+    resolved as DeepSpeed 0.19.8 does (``runtime/config.py`` ``_set_batch_related_parameters``) for ``dp``
+    data-parallel replicas."""
+    raw = dict(config)
     tbs, mbs, gas = (_positive(raw, k) for k in _BATCH_KEYS)
     if tbs is None and mbs is None:
         raise ConfigError("train_micro_batch_size_per_gpu", "neither it nor train_batch_size is set",
@@ -134,11 +138,16 @@ def _resolve_batch(raw: dict[str, Any], dp: int) -> tuple[int, int]:
     gas = gas or 1
     assert mbs is not None
     want = mbs * gas * dp
-    if mbs < 1 or (tbs is not None and tbs != want):
+    if mbs < 1 or gas < 1 or (tbs is not None and tbs != want):
         raise ConfigError("train_batch_size", f"{tbs} is not train_micro_batch_size_per_gpu ({mbs}) x "
                           f"gradient_accumulation_steps ({gas}) x data-parallel size ({dp}) = {want}",
                           f"set train_batch_size to {want}, or change the factors so they multiply to it")
-    raw.update(train_batch_size=want, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
+    return mbs, gas
+
+
+def _resolve_batch(raw: dict[str, Any], dp: int) -> tuple[int, int]:
+    mbs, gas = batch_sizes(raw, dp)
+    raw.update(train_batch_size=mbs * gas * dp, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
     return mbs, gas
 
 

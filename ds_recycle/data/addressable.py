@@ -39,6 +39,8 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from ds_recycle.config.job import batch_sizes
+
 __all__ = ["AddressableData", "DeepSpeedOrder", "NotAddressableError", "as_addressable", "resolve_batch_sizes"]
 
 logger = logging.getLogger(__name__)
@@ -313,36 +315,9 @@ def as_addressable(data: Any, micro_batches: int, *, step: int = 0, data_paralle
 
 
 def resolve_batch_sizes(config: Mapping[str, Any], data_parallel_size: int) -> tuple[int, int]:
-    """``(train_micro_batch_size_per_gpu, gradient_accumulation_steps)`` from any of DeepSpeed's batch keys,
-    resolved as DeepSpeed 0.19.8 does (``runtime/config.py:590-650``) with ``data_parallel_size`` replicas."""
-    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    given: dict[str, int] = {}
-    for key in keys:
-        value = config.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"config {key}={value!r} must be a positive integer")
-        given[key] = value
-    tb, mbs, gas = (given.get(k) for k in keys)
-    d = data_parallel_size
-    if tb is not None and mbs is not None and gas is None:
-        gas = tb // mbs // d
-    elif tb is not None and gas is not None and mbs is None:
-        mbs = tb // d // gas
-    elif tb is not None and mbs is None and gas is None:
-        mbs, gas = tb // d, 1
-    elif mbs is not None and gas is None:
-        gas = 1
-    if mbs is None or gas is None:
-        raise ValueError("the config gives neither train_batch_size nor train_micro_batch_size_per_gpu; "
-                         "give at least one of them")
-    if tb is None:
-        tb = mbs * gas * d
-    if min(mbs, gas) < 1 or tb != mbs * gas * d:
-        raise ValueError(f"train_batch_size={tb} must equal train_micro_batch_size_per_gpu={mbs} x "
-                         f"gradient_accumulation_steps={gas} x {d} data-parallel pipelines; fix one of the keys")
-    return mbs, gas
+    """``(train_micro_batch_size_per_gpu, gradient_accumulation_steps)`` as DeepSpeed resolves them
+    (:func:`ds_recycle.config.job.batch_sizes`)."""
+    return batch_sizes(config, data_parallel_size)
 
 
 def _refuse_data_sampling(config: Mapping[str, Any]) -> None:
