@@ -158,7 +158,7 @@ def _data_source(training_data: Any, collate_fn: Callable[..., Any] | None, cfg:
     if training_data is None:
         return _NoData()
     if hasattr(training_data, "micro_batch"):
-        return training_data  # type: ignore[no-any-return]
+        return training_data
     if not (hasattr(training_data, "__getitem__") and hasattr(training_data, "__len__")):
         raise ConfigError("training_data", f"a {type(training_data).__name__} is neither a map-style Dataset nor an "
                           "object with micro_batch(step, pipeline, index)", "pass a torch Dataset, or add the method "
@@ -201,6 +201,6 @@ def _vanilla(args: Any, model: PipelineModule, optimizer: Any, model_parameters:
     plain = {k: v for k, v in ds_config.items() if k != "recycle"}
     if args is not None and hasattr(args, "deepspeed_config"):  # DeepSpeed refuses a config given twice
         args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "deepspeed_config"})
-    return tuple(deepspeed.initialize(args=args, model=model, optimizer=optimizer,  # type: ignore[return-value]
+    return tuple(deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                       model_parameters=model_parameters, training_data=training_data,
                                       lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=plain))

@@ -170,7 +170,7 @@ class RecyclePipelineEngine(PipelineEngine):
     def _make_schedule(self, iteration: int) -> PlanSchedule:
         return PlanSchedule(self.plan, self.worker, self.workers.rank_of, iteration, synchronous=self.synchronous)
 
-    def _train_schedule(self) -> PlanSchedule:  # type: ignore[override]
+    def _train_schedule(self) -> PlanSchedule:
         if self.repair is not None:
             return PlanSchedule(self.plan, self.worker, self.workers.rank_of, self.iteration,
                                 synchronous=self.synchronous, repair=self.repair)
@@ -180,7 +180,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """True on the one rank that holds the iteration loss (the first live worker of the last stage)."""
         return self.global_rank == self.reporter_rank
 
-    def train_batch(self, data_iter: Any = None) -> torch.Tensor:  # type: ignore[override]
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """Train on one global batch; returns its mean loss (over ``D x M`` micro-batches) on every live rank.
 
         As DeepSpeed's ``train_batch``. Under ``ds-recycle launch`` the engine's failure handler keeps it
@@ -245,7 +245,7 @@ class RecyclePipelineEngine(PipelineEngine):
                                                          data_parallel_size=self.workers.pipelines,
                                                          data_parallel_rank=self.worker[0]))
 
-    def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,  # type: ignore[override]
+    def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None,
                    ) -> torch.Tensor:
         """Forward ``M`` micro-batches of every pipeline; the mean loss of this rank's pipeline, as DeepSpeed.
@@ -269,7 +269,7 @@ class RecyclePipelineEngine(PipelineEngine):
                 data_parallel_rank=self.worker[0]))
         step, self._eval_step = self._eval_step, self._eval_step + 1
         if self.resilience is not None:
-            return self.resilience.evaluate(lambda: self.run_evaluation(step))  # type: ignore[no-any-return]
+            return self.resilience.evaluate(lambda: self.run_evaluation(step))
         return self.run_evaluation(step)
 
     def run_evaluation(self, step: int) -> torch.Tensor:
@@ -338,7 +338,7 @@ class RecyclePipelineEngine(PipelineEngine):
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's final parameters by name (all stages) on the reporter; None on other ranks."""
         if self.resilience is not None:
-            return self.resilience.gather_final_state()  # type: ignore[no-any-return]
+            return self.resilience.gather_final_state()
         self.finish_local()
         return gather_state_dict(self.module, contributes=self.global_rank == self.workers.stage_ranks(self.stage_id)[0],
                                  dst=self.reporter_rank)
@@ -388,6 +388,7 @@ class RecyclePipelineEngine(PipelineEngine):
         if self._evaluating is None:
             batch = self.data.micro_batch(self.iteration, micro_batch[0], micro_batch[1])
         else:
+            assert self._eval_data is not None, "eval_batch sets its data source before it runs"
             batch = self._eval_data.micro_batch(self._evaluating, micro_batch[0], micro_batch[1])
         if self.is_first_stage():  # as DeepSpeed: the first stage feeds batch[0], the last one's loss reads batch[1]
             slot.inputs = _to_device(batch[0], self.device)

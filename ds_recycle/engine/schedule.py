@@ -81,13 +81,20 @@ class WorkItem:
 class PlanLike(Protocol):
     """What the engine reads from a planner's ``Plan`` (see ``ds_recycle.plan``)."""
 
-    stages: int
-    pipelines: int
-    microbatches: int
-    iterations: int
-    optimizer: str
-    failed: frozenset[Worker]
-    workers: Mapping[Worker, Sequence[Any]]
+    @property
+    def stages(self) -> int: ...
+    @property
+    def pipelines(self) -> int: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def iterations(self) -> int: ...
+    @property
+    def optimizer(self) -> str: ...
+    @property
+    def failed(self) -> frozenset[Worker]: ...
+    @property
+    def workers(self) -> Mapping[Worker, Sequence[Any]]: ...
 
     def worker_of(self, stage: int, mb: tuple[int, int]) -> Worker: ...
 

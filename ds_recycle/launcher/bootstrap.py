@@ -43,7 +43,7 @@ def _recycle_init_distributed(*args: Any, **kwargs: Any) -> None:
 
 def _patch(deepspeed: ModuleType) -> None:
     deepspeed.init_distributed = _recycle_init_distributed  # type: ignore[attr-defined]
-    deepspeed.comm.init_distributed = _recycle_init_distributed  # type: ignore[attr-defined]
+    deepspeed.comm.init_distributed = _recycle_init_distributed
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

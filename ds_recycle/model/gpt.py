@@ -61,7 +61,8 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         heads = [z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v)]
-        y = F.scaled_dot_product_attention(*heads, is_causal=True)
+        q, k, v = heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -103,4 +104,4 @@ def build_pipeline_module(cfg: GPTConfig, num_stages: int, **kwargs: object) -> 
     return PipelineModule(layers=gpt_layer_specs(cfg), num_stages=num_stages, loss_fn=gpt_loss_fn,
                           partition_method="type:Block", seed_layers=True, seed_fn=_seed_layer,
                           base_seed=cfg.init_seed,
-                          **kwargs)  # type: ignore[arg-type]
+                          **kwargs)

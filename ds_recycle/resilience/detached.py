@@ -31,7 +31,8 @@ DETACHED_BACKEND = "ds_recycle_detached"
 def _create(common_opts: Any, backend_opts: Any) -> Any:
     from torch._C._distributed_c10d import FakeProcessGroup
 
-    return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+    create: Any = FakeProcessGroup._create_internal  # the stub lags torch 2.13's signature (rank, size, options)
+    return create(common_opts.group_rank, common_opts.group_size, backend_opts)
 
 
 def init_detached_world(rank: int, world_size: int, timeout_s: float = 60.0) -> None:

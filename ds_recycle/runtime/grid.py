@@ -219,8 +219,8 @@ def survivor_module_grid(grid: SurvivorGrid) -> Iterator[None]:
     hole); inside this block the name it looks up returns ``grid``. Pass ``topology=grid.topology()``.
     """
     original = ds_module.PipelineParallelGrid
-    ds_module.PipelineParallelGrid = lambda *args, **kwargs: grid  # type: ignore[assignment,misc]
+    ds_module.PipelineParallelGrid = lambda *args, **kwargs: grid
     try:
         yield
     finally:
-        ds_module.PipelineParallelGrid = original  # type: ignore[misc]
+        ds_module.PipelineParallelGrid = original

@@ -99,7 +99,7 @@ def _with_kills(cfg: TrainConfig, kills: Sequence[str]) -> TrainConfig:
     added = []
     for text in kills:
         f = parse_fault(text)
-        added.append(FaultConfig((f.pipeline, f.stage), f.iteration, f.phase.value))  # type: ignore[arg-type]
+        added.append(FaultConfig((f.pipeline, f.stage), f.iteration, f.phase.value))
     return replace(cfg, recycle=replace(cfg.recycle, faults=cfg.recycle.faults + tuple(added)))
 
 

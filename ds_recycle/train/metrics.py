@@ -66,7 +66,7 @@ class MetricsWriter:
         if wandb_mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(project=project, name=run_name, config=run_config, mode=wandb_mode,
+            self._wandb = wandb.init(project=project, name=run_name, config=run_config, mode=wandb_mode,  # type: ignore[arg-type]
                                      dir=os.environ.get("WANDB_DIR"))
 
     def record(self, iteration: int, result: IterationResult, iter_time_s: float) -> dict[str, Any]:

@@ -76,7 +76,7 @@ class EngineRunner:
     def load_checkpoint(self, directory: str) -> int | None:
         if self.handler is None:
             raise RuntimeError("checkpoints of the ReCycle engine are read under ds-recycle launch")
-        return self.handler.load_checkpoint(directory)  # type: ignore[no-any-return]
+        return self.handler.load_checkpoint(directory)
 
     def close(self) -> None:
         self.engine.close()
