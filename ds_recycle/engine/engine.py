@@ -149,6 +149,9 @@ class RecyclePipelineEngine(PipelineEngine):
         self.op_seconds: dict[str, list[float]] | None = None
         """When a dict, each executed instruction's wall time is appended under its class name."""
         self._loss_work: Any = None
+        self.loss_transport: tuple[Callable[[torch.Tensor, int], Any], Callable[[Any], None]] = (
+            self._broadcast_loss, lambda work: work.wait())
+        """How the loss goes from the reporter to the others: ``(broadcast(tensor, src) -> work, wait(work))``."""
         self._calls = 0
         self.rng_seed = 0
         """Base of the per-micro-batch RNG seeds (``recycle.rng_seed``; :mod:`ds_recycle.engine.rng`)."""
@@ -197,16 +200,22 @@ class RecyclePipelineEngine(PipelineEngine):
         if self.resilience is not None:
             return self.resilience.train_batch()
         self.run_iteration()
-        return self._share_loss(self._broadcast_loss, lambda work: work.wait())
+        return self.loss
 
     def run_iteration(self) -> torch.Tensor | None:
-        """Run this worker's part of one iteration of the plan; the mean loss on the reporter, else None."""
+        """Run this worker's part of one iteration of the plan, then share its loss (see :meth:`_share_loss`).
+
+        Returns the mean loss on the reporter, None elsewhere (``self.loss`` holds it on every rank). The loss
+        broadcast belongs to the iteration: when a failure interrupts it, the iteration is redone with it.
+        """
         self.module.train()
         self._iteration_loss = None
         schedule = self._train_schedule()
         if self.repair is None:
             self.progress = IterationProgress(self.iteration)
         self._exec_schedule(schedule)
+        broadcast, wait = self.loss_transport
+        self._share_loss(broadcast, wait)
         self.repair = None
         self.iteration += 1
         return self._iteration_loss

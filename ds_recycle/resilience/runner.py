@@ -120,6 +120,7 @@ class ResilientRunner:
             self._join()
         else:
             self._install(self._build_comm(""), self.workers, self.plan)
+        self.engine.loss_transport = (self._broadcast_loss, self._wait_loss)
         self._wrap_handlers()
 
     # ------------------------------------------------------------------ groups and engine state
@@ -195,10 +196,8 @@ class ResilientRunner:
         """One iteration, through any failures: its mean loss on every live rank (``engine.train_batch``)."""
         self._target = self.engine.iteration + 1
 
-        def run() -> torch.Tensor:
-            self._advance(self._target)
-            return self.engine._share_loss(self._broadcast_loss, self._wait_loss)
-        return self._with_recovery(run)  # type: ignore[no-any-return]
+        self._with_recovery(lambda: self._advance(self._target))
+        return self.engine.loss  # type: ignore[no-any-return]
 
     def _broadcast_loss(self, tensor: torch.Tensor, src: int) -> Any:
         previous, self._loss_work = self._loss_work, None
