@@ -1,0 +1,60 @@
+"""One-process checks of what ``ds_recycle.initialize`` refuses at start (run by test_initialize.py).
+
+    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/engine/_refusals_job.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> int:
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    import ds_recycle
+    from ds_recycle.resilience.world import init_worker
+
+    init_worker()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    report: dict[str, str] = {}
+
+    def refused(name: str, model: Any, **kwargs: Any) -> None:
+        try:
+            ds_recycle.initialize(model=model, config=kwargs.pop("config", config), **kwargs)
+        except ValueError as e:
+            report[name] = str(e)
+        else:
+            report[name] = "ACCEPTED"
+
+    plain = [LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 1)]
+    refused("not_pipeline", torch.nn.Linear(4, 1))
+    refused("tied", PipelineModule(layers=[TiedLayerSpec("w", torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 4),
+                                           TiedLayerSpec("w", torch.nn.Linear, 4, 4)], num_stages=1,
+                                   loss_fn=torch.nn.MSELoss()))
+    refused("checkpointing", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss(),
+                                            activation_checkpoint_interval=1))
+    refused("zero", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()),
+            config={**config, "zero_optimization": {"stage": 2}})
+    refused("no_optimizer", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()),
+            config={"train_micro_batch_size_per_gpu": 2})
+    refused("not_a_dataset", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()),
+            training_data=object())
+    engine, optimizer, loader, scheduler = ds_recycle.initialize(
+        model=PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()), config=config)
+    report["accepted"] = f"{type(engine).__name__} {type(optimizer).__name__} {loader} {scheduler}"
+    try:
+        engine.train_batch(data_iter=iter([(torch.zeros(2, 4), torch.zeros(2, 1))]))
+    except ValueError as e:
+        report["plain_iterator"] = str(e)
+    print("REPORT " + json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""``ds_recycle.initialize`` refuses at start, with the reason and the fix, what the engine cannot run."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spawn import spawn  # noqa: E402
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_unsupported_inputs_are_refused_at_initialize() -> None:
+    out = spawn(1, ["tests/engine/_refusals_job.py"], timeout=160)[0]
+    report = json.loads(next(line for line in out.splitlines() if line.startswith("REPORT "))[7:])
+    assert "not a deepspeed.pipe.PipelineModule" in report["not_pipeline"]
+    assert "TiedLayerSpec" in report["tied"] and "enabled" in report["tied"]
+    assert "activation_checkpoint_interval=0" in report["checkpointing"]
+    assert "zero_optimization.stage" in report["zero"] and "shards the optimizer state" in report["zero"]
+    assert "no optimizer given" in report["no_optimizer"]
+    assert "training_data" in report["not_a_dataset"] and "micro_batch" in report["not_a_dataset"]
+    assert report["accepted"] == "RecyclePipelineEngine SGD None None"
+    assert "re-routing" in report["plain_iterator"] or "addressable" in report["plain_iterator"], report
