@@ -32,6 +32,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import engine as ds_pipe_engine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ds_recycle.engine import ds_checkpoint
 from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
@@ -351,6 +352,61 @@ class RecyclePipelineEngine(PipelineEngine):
         self.finish_local()
         return gather_state_dict(self.module, contributes=self.global_rank == self.workers.stage_ranks(self.stage_id)[0],
                                  dst=self.reporter_rank)
+
+    # ------------------------------------------------------------------ checkpoints (DeepSpeed's layout)
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_checkpoint``, in its layout (:mod:`ds_recycle.engine.ds_checkpoint`); every rank calls it.
+
+        Each stage's first live replica writes; ``latest`` follows once every stage is complete. The files
+        load in vanilla DeepSpeed, and carry the data position (the next iteration).
+        """
+        if exclude_frozen_parameters:
+            raise ValueError("exclude_frozen_parameters is not supported by RecyclePipelineEngine.save_checkpoint")
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        client = dict(client_state or {})
+
+        def write() -> None:
+            ds_checkpoint.write_stage(self, save_dir, tag, client)
+
+        def latest() -> None:
+            if save_latest:
+                ds_checkpoint.write_latest(save_dir, tag)
+        if self.resilience is not None:
+            self.resilience.save_checkpoint(save_dir, self.iteration, write=write, latest=latest)
+            return True
+        self._exec_finish_optimizer_step()
+        if self.global_rank == self.workers.stage_ranks(self.stage_id)[0]:
+            write()
+        dist.barrier(group=self.grid.world_proc_group)
+        if self.global_rank == min(self.workers.ranks.values()):
+            latest()
+        dist.barrier(group=self.grid.world_proc_group)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any]]:
+        """DeepSpeed's ``load_checkpoint`` (its layout): ``(path, client_state)``, or ``(None, {})`` with none.
+
+        Training continues at the saved iteration, with the same data stream (unlike DeepSpeed's own resume,
+        which restarts its loader). A worker that joined a running job keeps the live state it received.
+        """
+        if custom_load_fn is not None:
+            raise ValueError("custom_load_fn is not supported by RecyclePipelineEngine.load_checkpoint")
+        if self.resilience is not None and self.resilience.joined_at is not None:
+            self._calls = self.iteration  # this worker's state came from a live replica, newer than any checkpoint
+            return None, {}
+        only_module = load_module_only
+        path, client = ds_checkpoint.read_stage(self, load_dir, None if tag is None else str(tag),
+                                                load_optimizer_states=load_optimizer_states and not only_module,
+                                                load_lr_scheduler_states=load_lr_scheduler_states and not only_module,
+                                                strict=load_module_strict)
+        if path is not None:
+            self._calls = self.iteration
+            if self.resilience is not None:
+                self.resilience.resumed_at(self.iteration, load_dir)
+        return path, client
 
     def close(self) -> None:
         """End of training: the last step is final, the job's groups are released (every rank calls it once)."""

@@ -453,15 +453,19 @@ class ResilientRunner:
                 self._recover(failure)
                 self._advance(self._target)
 
-    def save_checkpoint(self, directory: str, next_iteration: int) -> None:
-        """Each stage's first live replica writes its state; ``latest`` is written once all are complete."""
+    def save_checkpoint(self, directory: str, next_iteration: int, write: Callable[[], None] | None = None,
+                        latest: Callable[[], None] | None = None) -> None:
+        """Each stage's first live replica writes its state; ``latest`` is written once all are complete.
+
+        ``write``/``latest``: the writers (default: ds_recycle's own layout, :mod:`ds_recycle.resilience.checkpoint`).
+        """
         def save() -> None:
             self.engine._exec_finish_optimizer_step()  # the saved step must be final (post-validation)
             if self.rank == self.workers.stage_ranks(self.engine.stage_id)[0]:
-                ckpt.save_stage(self.engine, directory, next_iteration)
+                write() if write is not None else ckpt.save_stage(self.engine, directory, next_iteration)
             self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "checkpoint barrier")
             if self.rank == min(self.members):
-                ckpt.write_latest(directory, next_iteration)
+                latest() if latest is not None else ckpt.write_latest(directory, next_iteration)
             self._event("checkpoint", next_iteration=next_iteration, directory=directory)
         self._with_recovery(save)
 
@@ -471,11 +475,15 @@ class ResilientRunner:
             return self.joined_at
         start = ckpt.load_stage(self.engine, directory)
         if start is not None:
-            self._target = self.engine._calls = start
-            self.snapshots = SnapshotRing()
-            if self.generation:
-                self._event("resumed", iteration=start, generation=self.generation, directory=directory)
+            self.resumed_at(start, directory)
         return start
+
+    def resumed_at(self, start: int, directory: str) -> None:
+        """The engine's state was loaded from a checkpoint: training goes on at iteration ``start``."""
+        self._target = self.engine._calls = start
+        self.snapshots = SnapshotRing()
+        if self.generation:
+            self._event("resumed", iteration=start, generation=self.generation, directory=directory)
 
     # ------------------------------------------------------------------ end of training
     def finish(self) -> None:
