@@ -137,9 +137,6 @@ def _close_at_exit(engine: RecyclePipelineEngine) -> None:
 
 
 def _check_model(model: PipelineModule) -> None:
-    if len(model.tied_modules):
-        raise UnsupportedModelError("TiedLayerSpec (weights tied across stages) is not in the ReCycle engine yet: "
-                                    "untie the layers, or set \"recycle\": {\"enabled\": false} to run DeepSpeed's engine")
     if model.activation_checkpoint_interval > 0:
         raise UnsupportedModelError("activation_checkpoint_interval > 0: DeepSpeed's activation checkpointing cannot "
                                     "split the backward into B and W; build the PipelineModule with "

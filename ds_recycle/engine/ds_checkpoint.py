@@ -39,8 +39,8 @@ def _stage_path(directory: Path, stage: int) -> Path:
 
 def write_stage(engine: Any, save_dir: str, tag: str, client_state: dict[str, Any] | None = None) -> Path:
     """Write ``engine``'s stage (layers and engine state) under ``save_dir/tag``; returns the stage file."""
-    from deepspeed.git_version_info import version
     from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_PP_DEGREE, CHECKPOINT_TP_DEGREE
+    from deepspeed.git_version_info import version
 
     directory = Path(save_dir) / str(tag)
     directory.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ from ds_recycle.engine.p2p import Channel, PeerChannel
 from ds_recycle.engine.rng import micro_batch_rng
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.state import gather_state_dict
+from ds_recycle.engine.tied import reduce_tied, tied_members, tied_weights
 from ds_recycle.runtime.grid import SurvivorGrid
 
 __all__ = ["IterationProgress", "MicroBatchSourceLike", "RecyclePipelineEngine", "served_pipelines"]
@@ -139,6 +140,11 @@ class RecyclePipelineEngine(PipelineEngine):
             lr_scheduler=self.lr_scheduler, served=served, stage_rerouted=stage_rerouted,
             norm_source=min(self.workers.stage_ranks(0)))
         self.reporter_rank = min(self.workers.stage_ranks(self.num_stages - 1))
+        self.tied = tied_weights(self.module)
+        """Parameters this stage shares with other stages (``TiedLayerSpec``; :mod:`ds_recycle.engine.tied`)."""
+        self.tied_transport: Callable[[str, torch.Tensor], None] = self._tied_groups()
+        """``all_reduce(group name, tensor)`` over the live holders of a tied weight (the failure handler's bounded
+        groups under ``ds-recycle launch``)."""
         self.iteration = 0
         self.slots: dict[int, _Slot] = {}
         self._loss_sum: torch.Tensor | None = None
@@ -169,6 +175,18 @@ class RecyclePipelineEngine(PipelineEngine):
         """The resolved job config (:class:`~ds_recycle.config.job.JobConfig`), set by ``ds_recycle.initialize``."""
         self.resilience: Any = None
         """The failure handler (:class:`~ds_recycle.resilience.runner.ResilientRunner`) under ``ds-recycle launch``."""
+
+    def _tied_groups(self) -> Callable[[str, torch.Tensor], None]:
+        groups: dict[str, Any] = {}
+        for t in self.tied:
+            if t.name not in groups:  # created in the same order by every holder (use_local_synchronization)
+                groups[t.name] = dist.new_group(ranks=tied_members(t, self.workers.stage_ranks),
+                                                timeout=getattr(self.grid, "timeout", None),
+                                                use_local_synchronization=True)
+
+        def all_reduce(name: str, tensor: torch.Tensor) -> None:
+            dist.all_reduce(tensor, group=groups[name])
+        return all_reduce
 
     # ------------------------------------------------------------------ schedule and loop
     def _make_schedule(self, iteration: int) -> PlanSchedule:
@@ -539,6 +557,8 @@ class RecyclePipelineEngine(PipelineEngine):
             loss_sum = torch.zeros(())
         total = self.stepper.reduce(loss_sum)
         self.progress.stepping = True  # the stage's gradients are reduced: from here on the iteration is whole
+        if self.tied:  # one gradient for every copy of a weight tied across stages
+            reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0], self.tied_transport)
         self._loss_sum = None
         if total is not None and self.is_reporter():
             self._iteration_loss = total / (self.workers.pipelines * self.micro_batches)

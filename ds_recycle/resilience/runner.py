@@ -36,9 +36,10 @@ from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.engine import IterationProgress, RecyclePipelineEngine, served_pipelines
 from ds_recycle.engine.schedule import rerouted_microbatches
 from ds_recycle.engine.state import cpu_state_dict, merge_in_layer_order
+from ds_recycle.engine.tied import tied_members
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
-from ds_recycle.resilience.comm import PeerFailure
+from ds_recycle.resilience.comm import EpochGroup, PeerFailure
 from ds_recycle.resilience.faults import FaultInjector, FaultSpec, Phase
 from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
 from ds_recycle.resilience.membership import MembershipError, agree_members
@@ -132,7 +133,20 @@ class ResilientRunner:
         except RuntimeError as e:  # a member died while the groups were being connected
             raise PeerFailure(f"building the groups of epoch {self.epoch}: {e}") from e
         self.liveness.incarnations = dict(comm.probe.incarnations)
+        self._tied_groups = self._build_tied(f"e{self.epoch}g{self.generation}{tag}")
         return comm
+
+    def _build_tied(self, prefix: str) -> dict[str, EpochGroup]:
+        """This epoch's groups over the live holders of each weight tied across stages (built by every holder)."""
+        groups: dict[str, EpochGroup] = {}
+        for t in self.engine.tied:
+            if t.name not in groups:
+                try:
+                    groups[t.name] = EpochGroup(self.store, f"{prefix}/{t.name}", tied_members(t, self.workers.stage_ranks),
+                                                self.rank, self.cfg.recycle.failure_timeout_s)
+                except RuntimeError as e:
+                    raise PeerFailure(f"building the tied-weight group {t.name}: {e}") from e
+        return groups
 
     def _install(self, comm: EpochComm, workers: WorkerMap, plan: Any) -> None:
         """Point the engine at ``comm``'s groups, ``workers`` and ``plan`` (every cached reference)."""
@@ -142,6 +156,8 @@ class ResilientRunner:
         grid = EpochGrid(workers, self.rank, comm)
         eng.grid = eng.mpu = eng.module._grid = grid
         eng.workers, eng.plan = workers, plan
+        groups = self._tied_groups
+        eng.tied_transport = lambda name, tensor: comm.wait(groups[name].all_reduce_sum(tensor), "tied gradients")
         eng._schedules = [eng._make_schedule(k) for k in range(plan.iterations)]
         eng.channel = BoundedChannel(comm, workers.pipelines, eng.micro_batches)
         served, rerouted = served_pipelines(plan, eng.worker)
@@ -197,7 +213,7 @@ class ResilientRunner:
         self._target = self.engine.iteration + 1
 
         self._with_recovery(lambda: self._advance(self._target))
-        return self.engine.loss  # type: ignore[no-any-return]
+        return self.engine.loss
 
     def _broadcast_loss(self, tensor: torch.Tensor, src: int) -> Any:
         previous, self._loss_work = self._loss_work, None
@@ -214,7 +230,7 @@ class ResilientRunner:
     def evaluate(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``run()`` (an evaluation pass) through failures: recover, bring training back to where it was, run again."""
         self._target = self.engine.iteration
-        return self._with_recovery(run)  # type: ignore[no-any-return]
+        return self._with_recovery(run)
 
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> None:
         """Sum ``tensor`` over every member, in place (bounded; a failure raises :class:`PeerFailure`)."""

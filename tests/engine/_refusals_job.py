@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def main() -> int:
     import torch
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_recycle
     from ds_recycle.resilience.world import init_worker
@@ -34,9 +34,6 @@ def main() -> int:
 
     plain = [LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 1)]
     refused("not_pipeline", torch.nn.Linear(4, 1))
-    refused("tied", PipelineModule(layers=[TiedLayerSpec("w", torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 4),
-                                           TiedLayerSpec("w", torch.nn.Linear, 4, 4)], num_stages=1,
-                                   loss_fn=torch.nn.MSELoss()))
     refused("checkpointing", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss(),
                                             activation_checkpoint_interval=1))
     refused("zero", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()),
