@@ -1,0 +1,75 @@
+"""The harness's pure parts: the one-line ds_recycle variant of a script, and the final-file comparison."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.byom.harness import (
+    RUN_TIMEOUT_S,
+    USER_TRAIN,
+    assert_same_final,
+    identical,
+    recycle_variant,
+    script_args,
+    start_ds_recycle,
+)
+
+
+def test_variant_of_the_user_script_changes_exactly_the_documented_lines() -> None:
+    before = USER_TRAIN.read_text().splitlines()
+    after = recycle_variant(USER_TRAIN.read_text()).splitlines()
+    assert len(after) == len(before) + 1
+    at = before.index("import deepspeed")
+    assert after[at:at + 2] == ["import deepspeed", "import ds_recycle"]
+    changed = [(a, b) for a, b in zip(before, after[:at + 1] + after[at + 2:]) if a != b]
+    assert len(changed) == 1 and "= deepspeed.initialize(" in changed[0][0]
+    assert changed[0][1] == changed[0][0].replace("deepspeed.initialize(", "ds_recycle.initialize(")
+    compile("\n".join(after), "variant", "exec")
+
+
+def test_variant_keeps_indentation_and_ignores_lookalikes() -> None:
+    source = ("def main():\n    import deepspeed\n    my_deepspeed.initialize(x)\n"
+              "    e = deepspeed.initialize(model=m)\n")
+    assert recycle_variant(source) == ("def main():\n    import deepspeed\n    import ds_recycle\n"
+                                       "    my_deepspeed.initialize(x)\n    e = ds_recycle.initialize(model=m)\n")
+
+
+@pytest.mark.parametrize("source", [
+    "import deepspeed\nx = 1\n",  # no initialize call
+    "x = deepspeed.initialize(model=m)\n",  # no import line
+    "import deepspeed\na = deepspeed.initialize(m)\nb = deepspeed.initialize(n)\n",  # two calls
+    "import deepspeed\nimport deepspeed\na = deepspeed.initialize(m)\n",  # two imports
+])
+def test_variant_refuses_scripts_it_cannot_change_by_the_documented_rule(source: str) -> None:
+    with pytest.raises(AssertionError):
+        recycle_variant(source)
+
+
+def test_final_file_comparison(tmp_path: Path) -> None:
+    a = {"0.weight": torch.ones(3, 2), "tied_modules.embed.weight": torch.arange(4.0)}
+    near = {k: v * (1 + 1e-7) for k, v in a.items()}
+    far = {**a, "0.weight": a["0.weight"] * (1 + 1e-4)}
+    for name, state in {"a": a, "near": near, "far": far, "fewer": {"0.weight": a["0.weight"]}}.items():
+        torch.save(state, tmp_path / f"{name}.pt")
+    assert identical(tmp_path / "a.pt", tmp_path / "a.pt")
+    assert not identical(tmp_path / "a.pt", tmp_path / "near.pt")
+    assert_same_final(tmp_path / "near.pt", tmp_path / "a.pt")
+    for other in ("far", "fewer"):
+        with pytest.raises(AssertionError):
+            assert_same_final(tmp_path / f"{other}.pt", tmp_path / "a.pt")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_kill_rank_reaches_the_worker_under_ds_recycle_launch(tmp_path: Path) -> None:
+    """The stock script under ``ds-recycle launch --strict``: the SIGKILLed rank is the one the launcher reports."""
+    with start_ds_recycle(USER_TRAIN, script_args("mlp", steps=400), tmp_path, launcher_args=("--strict",)) as job:
+        job.wait_for(r"step 2 loss", timeout=RUN_TIMEOUT_S)
+        pid = job.kill_rank(3)
+        run = job.result(RUN_TIMEOUT_S)
+    assert run.returncode != 0 and run.final is None
+    assert re.search(rf"rank 3 \(pid {pid}\).*(SIGKILL|signal 9)", run.log), run.log[-3000:]
+    assert len(run.losses()) < 400
