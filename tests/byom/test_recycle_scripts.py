@@ -66,3 +66,12 @@ def test_sigkill_mid_run_matches_vanilla(vanilla: VanillaRuns, variant: Path, tm
     assert len(run.losses()) == STEPS, run.log[-3000:]
     assert run.losses() == pytest.approx(reference.losses(), rel=1e-5)
     assert_same_final(run.final, reference.final)
+
+
+@pytest.mark.timeout(400)
+def test_bf16_gpt_trains_like_vanilla(vanilla: VanillaRuns, variant: Path, tmp_path: Path) -> None:
+    with start_ds_recycle(variant, script_args("gpt", config="bf16"), tmp_path, pythonpath=(BYOM,)) as job:
+        run = job.result(RUN_TIMEOUT_S).check()
+    losses, reference = run.losses(), vanilla("gpt", config="bf16").losses()
+    assert len(losses) == STEPS and sum(losses[-3:]) <= 0.8 * sum(losses[:3]), losses
+    assert losses == pytest.approx(reference, rel=2e-2), "bf16 training strayed from vanilla DeepSpeed's"

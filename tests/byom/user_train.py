@@ -27,17 +27,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def save_final(engine, path: str) -> None:
+def save_final(engine: deepspeed.PipelineEngine, path: str) -> None:
     """Pipeline 0 gathers its stages' parameters on its first stage, which writes them to ``path``."""
     grid = engine.grid
     if grid.get_data_parallel_id() != 0:
         return
     state = {name: p.detach().float().cpu() for name, p in engine.module.named_parameters()}
     first = grid.stage_to_global(0)
-    gathered = [None] * grid.get_pipe_parallel_world_size() if engine.global_rank == first else None
+    gathered: list | None = [None] * grid.get_pipe_parallel_world_size() if engine.global_rank == first else None
     dist.gather_object(state, gathered, dst=first, group=grid.get_pipe_parallel_group())
     if gathered is not None:
-        merged = {}
+        merged: dict[str, torch.Tensor] = {}
         for stage_state in gathered:
             for name, tensor in stage_state.items():
                 merged.setdefault(name, tensor)  # a tied weight: the first stage's copy
