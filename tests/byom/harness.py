@@ -37,6 +37,7 @@ __all__ = [
     "BYOM",
     "REPO",
     "RUN_TIMEOUT_S",
+    "SITE",
     "STEPS",
     "USER_TRAIN",
     "Job",

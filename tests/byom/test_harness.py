@@ -1,7 +1,10 @@
 """The harness's pure parts: the one-line ds_recycle variant of a script, and the final-file comparison."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ import torch
 
 from tests.byom.harness import (
     RUN_TIMEOUT_S,
+    SITE,
     USER_TRAIN,
     assert_same_final,
     identical,
@@ -73,3 +77,22 @@ def test_kill_rank_reaches_the_worker_under_ds_recycle_launch(tmp_path: Path) ->
     assert run.returncode != 0 and run.final is None
     assert re.search(rf"rank 3 \(pid {pid}\).*(SIGKILL|signal 9)", run.log), run.log[-3000:]
     assert len(run.losses()) < 400
+
+
+_PROBE = ("import sys, deepspeed, deepspeed.ops; t = sys.modules['deepspeed.comm.torch']; "
+          "print('compatible', deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']); "
+          "print('wrapped', t.build_shm_op.__qualname__ != 'build_shm_op'); "
+          "print('built', t.build_shm_op() is not None if 'site' in sys.argv else '-')")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("with_site", [False, True])
+def test_site_hook_makes_deepspeed_skip_the_shm_op_build(with_site: bool) -> None:
+    """Without the hook DeepSpeed would build the op (it is compatible here); with it, the build is skipped."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(SITE) if with_site else ""}
+    args = [sys.executable, "-c", _PROBE] + (["site"] if with_site else [])
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=100).stdout.split()
+    if with_site:
+        assert out == ["compatible", "True", "wrapped", "True", "built", "False"], out
+    else:
+        assert out == ["compatible", "True", "wrapped", "False", "built", "-"], out

@@ -49,11 +49,16 @@ def test_failure_free_matches_vanilla(vanilla: VanillaRuns, variant: Path, tmp_p
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("model", "victim", "launcher_args"), [
-    ("alexnet", 1, ()),  # first stage: its peer also loads pipeline 1's data
-    ("alexnet", 3, ()),  # last stage: its peer computes pipeline 1's loss
-    ("alexnet", 3, ("--restart_failed_after", "2")),  # and the worker comes back and rejoins
-    ("tuple", 3, ()),  # (hidden, bool mask) boundaries re-routed
-    ("mlp", 1, ()),  # dropout: a re-routed micro-batch gets the masks it would have had
+    # first stage: its peer also loads pipeline 1's data
+    pytest.param("alexnet", 1, (), id="alexnet-first-stage"),
+    # last stage: its peer computes pipeline 1's loss
+    pytest.param("alexnet", 3, (), id="alexnet-last-stage"),
+    # and the worker comes back and rejoins
+    pytest.param("alexnet", 3, ("--restart_failed_after", "2"), id="alexnet-last-stage-rejoins"),
+    # (hidden, bool mask) boundaries re-routed
+    pytest.param("tuple", 3, (), id="tuple-last-stage"),
+    # dropout: a re-routed micro-batch gets the masks it would have had
+    pytest.param("mlp", 1, (), id="mlp-first-stage"),
 ])
 def test_sigkill_mid_run_matches_vanilla(vanilla: VanillaRuns, variant: Path, tmp_path: Path, model: str,
                                         victim: int, launcher_args: tuple[str, ...]) -> None:

@@ -60,7 +60,6 @@ def main() -> None:
 
     if args.save_final:
         save_final(engine, args.save_final)
-    dist.barrier()
     dist.destroy_process_group()
 
 
