@@ -269,18 +269,22 @@ def start_ds_recycle(script: Path, script_args: Sequence[str], workdir: Path, np
 
 
 def run_torchrun(script: Path, script_args: Sequence[str], workdir: Path, timeout: float, nproc: int = 4,
-                 **kwargs: object) -> Run:
-    return start_torchrun(script, script_args, workdir, nproc, **kwargs).result(timeout)  # type: ignore[arg-type]
+                 pythonpath: Sequence[Path] = (BYOM,), env: dict[str, str] | None = None) -> Run:
+    """:func:`start_torchrun`, then :meth:`Job.result`."""
+    return start_torchrun(script, script_args, workdir, nproc, pythonpath, env).result(timeout)
 
 
 def run_deepspeed(script: Path, script_args: Sequence[str], workdir: Path, timeout: float, nproc: int = 4,
-                  **kwargs: object) -> Run:
-    return start_deepspeed(script, script_args, workdir, nproc, **kwargs).result(timeout)  # type: ignore[arg-type]
+                  pythonpath: Sequence[Path] = (BYOM,), env: dict[str, str] | None = None) -> Run:
+    """:func:`start_deepspeed`, then :meth:`Job.result`."""
+    return start_deepspeed(script, script_args, workdir, nproc, pythonpath, env).result(timeout)
 
 
 def run_ds_recycle(script: Path, script_args: Sequence[str], workdir: Path, timeout: float, nproc: int = 4,
-                   **kwargs: object) -> Run:
-    return start_ds_recycle(script, script_args, workdir, nproc, **kwargs).result(timeout)  # type: ignore[arg-type]
+                   launcher_args: Sequence[str] = (), pythonpath: Sequence[Path] = (BYOM,),
+                   env: dict[str, str] | None = None) -> Run:
+    """:func:`start_ds_recycle`, then :meth:`Job.result`."""
+    return start_ds_recycle(script, script_args, workdir, nproc, launcher_args, pythonpath, env).result(timeout)
 
 
 VanillaRuns = Callable[..., Run]
