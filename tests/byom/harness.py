@@ -15,6 +15,7 @@ folder, so :meth:`Run.jit_builds` shows any op that was compiled anyway.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ds_recycle.tools.compare import compare_state_dicts
-from ds_recycle.tools.procs import worker_pids
+from ds_recycle.tools.procs import descendants, scan_proc, worker_pids
 
 __all__ = [
     "BYOM",
@@ -221,11 +222,17 @@ class Job:
         return Run(self.proc.returncode, self.log, final, self.workdir, time.monotonic() - self.started)
 
     def close(self) -> None:
-        """Kill whatever is left of the job (idempotent)."""
-        try:
+        """Kill whatever is left of the job (idempotent): every descendant, then the launcher's process group.
+
+        Descendants are killed by pid because launchers may start workers in sessions of their own (torchrun
+        does), where killing the launcher's group would leave them running.
+        """
+        if self.proc.poll() is None:
+            for pid in reversed(descendants(scan_proc(), self.proc.pid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         if self.proc.poll() is None:
             self.proc.wait(timeout=30)
 

@@ -5,11 +5,13 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from ds_recycle.tools.procs import worker_pids
 from tests.byom.harness import (
     RUN_TIMEOUT_S,
     SITE,
@@ -19,6 +21,7 @@ from tests.byom.harness import (
     recycle_variant,
     script_args,
     start_ds_recycle,
+    start_torchrun,
 )
 
 
@@ -96,3 +99,28 @@ def test_site_hook_makes_deepspeed_skip_the_shm_op_build(with_site: bool) -> Non
         assert out == ["compatible", "True", "wrapped", "True", "built", "False"], out
     else:
         assert out == ["compatible", "True", "wrapped", "False", "built", "-"], out
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_timed_out_torchrun_job_leaves_no_worker_behind(tmp_path: Path) -> None:
+    """torchrun starts its workers in sessions of their own: the harness must still kill every one of them."""
+    with start_torchrun(USER_TRAIN, script_args("mlp", steps=10**6), tmp_path) as job:
+        job.wait_for(r"step 1 loss", timeout=RUN_TIMEOUT_S)
+        workers = worker_pids(job.proc.pid)
+        assert sorted(workers) == [0, 1, 2, 3], workers
+        with pytest.raises(AssertionError, match="timed out"):
+            job.result(timeout=time.monotonic() - job.started + 1.0)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers.values() if _alive(pid)]
