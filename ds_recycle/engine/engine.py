@@ -34,9 +34,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_recycle.engine import ds_checkpoint
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input
+from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input, grad_buffers
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
-from ds_recycle.engine.p2p import Channel, PeerChannel
+from ds_recycle.engine.p2p import Channel, Payload, PeerChannel
 from ds_recycle.engine.rng import micro_batch_rng
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.state import gather_state_dict
@@ -59,13 +59,16 @@ class _Slot:
     """One micro-batch in flight on this worker, from its F to its W."""
 
     mb: ins.MicroBatch
-    inputs: torch.Tensor | None = None
+    inputs: Payload | None = None
+    """Stage input: a tensor or a tuple of tensors (its floating-point ones require grad when received)."""
     labels: torch.Tensor | None = None
-    output: torch.Tensor | None = None
+    output: Payload | None = None
     """Stage output (the scaled loss on the last stage): the root of B."""
     captured: Any = None
-    grad_output: torch.Tensor | None = None
-    input_grad: torch.Tensor | None = None
+    grad_output: Payload | None = None
+    """Gradient of ``output``: a tensor, or one tensor per floating-point element of a tuple output."""
+    input_grad: Payload | None = None
+    """Gradient of ``inputs``, in the same form as ``grad_output``."""
     weight_work: WeightGradWork | None = None
 
 
@@ -499,6 +502,7 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _exec_backward_input(self, buffer_id: int, micro_batch: ins.MicroBatch, weights: bool = False) -> None:
         slot = self.slots[buffer_id]
+        assert slot.output is not None, f"B of {micro_batch} before its F"
         stage_input = None if self.is_first_stage() else slot.inputs
         if weights:
             with self.stepper.accumulating_for(micro_batch[0]):
@@ -529,23 +533,30 @@ class RecyclePipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ communication
     def _exec_send_activation_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
-        self.channel.send(self.slots[buffer_id].output.detach(), peer, Channel.ACTIVATION, self.iteration,
-                          tuple(micro_batch))
+        output = self.slots[buffer_id].output
+        assert output is not None, f"no stage output for {micro_batch}"
+        detached = output.detach() if isinstance(output, torch.Tensor) else tuple(t.detach() for t in output)
+        self.channel.send(detached, peer, Channel.ACTIVATION, self.iteration, (micro_batch[0], micro_batch[1]))
 
     def _exec_recv_activation_from(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         slot = self._slot(buffer_id, micro_batch)
-        slot.inputs = self.channel.recv_activation(peer, self.iteration, tuple(micro_batch)).requires_grad_(True)
+        received = self.channel.recv_activation(peer, self.iteration, (micro_batch[0], micro_batch[1]))
+        for tensor in (received,) if isinstance(received, torch.Tensor) else received:
+            if tensor.is_floating_point():  # as DeepSpeed: every floating-point input gets a gradient
+                tensor.requires_grad_(True)
+        slot.inputs = received
 
     def _exec_send_grad_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         slot = self.slots[buffer_id]
         assert slot.input_grad is not None, f"no input gradient for {micro_batch}"
-        self.channel.send(slot.input_grad, peer, Channel.GRAD, self.iteration, tuple(micro_batch))
+        self.channel.send(slot.input_grad, peer, Channel.GRAD, self.iteration, (micro_batch[0], micro_batch[1]))
         slot.input_grad = None
 
     def _exec_recv_grad_from(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         slot = self.slots[buffer_id]
-        buffer = torch.empty_like(slot.output)
-        slot.grad_output = self.channel.recv_like(buffer, peer, Channel.GRAD, self.iteration, tuple(micro_batch))
+        assert slot.output is not None, f"gradient for {micro_batch} before its F"
+        slot.grad_output = self.channel.recv_like(grad_buffers(slot.output), peer, Channel.GRAD, self.iteration,
+                                                  (micro_batch[0], micro_batch[1]))
 
     def _exec_wait_sends(self) -> None:
         self.channel.wait_sends()

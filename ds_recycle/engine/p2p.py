@@ -6,15 +6,19 @@ with blocking sends (a gloo send is a rendezvous). Here:
 - sends are posted with ``isend`` and kept until :meth:`PeerChannel.wait_sends` (bounded by the group
   timeout), so no worker ever blocks on a send;
 - receives block right before the op that needs the tensor;
-- every message carries a tag made of its kind, iteration and micro-batch, so messages between the same
-  two workers match by identity, not by arrival order;
-- the first activation a worker sends to a given peer is preceded by a small shape/dtype header; the
-  receiver caches it per peer. Gradients have the shape of the activation that went the other way.
+- every message carries a tag made of its kind, iteration, micro-batch and part (the position in a
+  tuple), so messages between the same two workers match by identity, not by arrival order;
+- a payload is one tensor or a tuple of tensors (:data:`Payload`) of any dtype in :data:`DTYPES`; a
+  tuple travels as one message per element, posted together;
+- the first activation a worker sends to a given peer is preceded by a small header (tuple or not, and
+  each tensor's dtype and shape); the receiver caches it per peer. Gradients need no header: they have
+  the shapes of the floating-point tensors of the activation that went the other way.
 """
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,12 +26,23 @@ import torch.distributed as dist
 
 from ds_recycle.engine.instructions import MicroBatch
 
-__all__ = ["Channel", "PeerChannel"]
+__all__ = ["DTYPES", "Channel", "Payload", "PeerChannel", "decode_header", "encode_header"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_META_LEN = 8
+Payload = torch.Tensor | tuple[torch.Tensor, ...]
+"""What crosses a stage boundary: one tensor, or a tuple of tensors (e.g. ``(hidden, attention_mask)``)."""
+
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+"""Dtypes a payload may hold; a header names them by position."""
+_RECORD = 8
+"""Header slots per tensor: dtype, number of dims, then up to 6 sizes."""
+_MAX_PARTS = 7
+_META_LEN = _RECORD * (_MAX_PARTS + 1)
+"""Header length: a first record (the tuple length, 0 for a bare tensor), then one record per tensor."""
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
 
 class Channel(enum.Enum):
@@ -41,6 +56,40 @@ class Channel(enum.Enum):
     """The gradient of a stage input going back to the previous stage."""
 
 
+def encode_header(payload: Payload) -> torch.Tensor:
+    """The ``int64`` header that describes ``payload`` (see :func:`decode_header`)."""
+    bare = isinstance(payload, torch.Tensor)
+    tensors = [payload] if isinstance(payload, torch.Tensor) else list(payload)
+    if not bare and not (1 <= len(tensors) <= _MAX_PARTS and all(isinstance(t, torch.Tensor) for t in tensors)):
+        raise TypeError(f"a stage output must be a tensor or a tuple of 1 to {_MAX_PARTS} tensors, "
+                        f"got {type(payload).__name__} of {[type(t).__name__ for t in tensors]}")
+    meta = [0 if bare else len(tensors)] + [0] * (_RECORD - 1)
+    for tensor in tensors:
+        if tensor.dtype not in DTYPES or tensor.dim() > _RECORD - 2:
+            raise TypeError(f"cannot send a stage output of dtype {tensor.dtype} with {tensor.dim()} dims; "
+                            f"each tensor must have one of {[str(d) for d in DTYPES]} and at most "
+                            f"{_RECORD - 2} dims")
+        record = [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        meta += record + [0] * (_RECORD - len(record))
+    return torch.tensor(meta + [0] * (_META_LEN - len(meta)), dtype=torch.int64)
+
+
+def decode_header(meta: torch.Tensor, peer: int) -> tuple[bool, list[TensorSpec]]:
+    """``(is_tuple, [(shape, dtype) per tensor])`` from a header received from ``peer``."""
+    values = meta.tolist()
+    count = values[0]
+    if not 0 <= count <= _MAX_PARTS:
+        raise RuntimeError(f"malformed activation header from rank {peer}: {values}")
+    specs: list[TensorSpec] = []
+    for k in range(1, max(count, 1) + 1):
+        record = values[k * _RECORD:(k + 1) * _RECORD]
+        dtype_id, ndim = record[0], record[1]
+        if not (0 <= dtype_id < len(DTYPES) and 0 <= ndim <= _RECORD - 2):
+            raise RuntimeError(f"malformed activation header from rank {peer}: {values}")
+        specs.append((tuple(record[2:2 + ndim]), DTYPES[dtype_id]))
+    return count > 0, specs
+
+
 class PeerChannel:
     """Tagged, explicit-peer sends and receives for one worker."""
 
@@ -50,56 +99,57 @@ class PeerChannel:
         self.microbatches = microbatches
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._meta_sent: set[int] = set()
-        self._meta_recv: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._meta_recv: dict[int, tuple[bool, list[TensorSpec]]] = {}
 
-    def _tag(self, channel: Channel, iteration: int, mb: MicroBatch) -> int:
+    def _tag(self, channel: Channel, iteration: int, mb: MicroBatch, part: int = 0) -> int:
         slot = mb[0] * self.microbatches + mb[1]
-        return ((iteration % 4) * 3 + channel.value) * self.pipelines * self.microbatches + slot + 1
+        return (((part * 4 + iteration % 4) * 3 + channel.value) * self.pipelines * self.microbatches + slot + 1)
 
-    def send(self, tensor: torch.Tensor, peer: int, channel: Channel, iteration: int, mb: MicroBatch) -> None:
-        """Post ``tensor`` to ``peer``; the tensor must not change until :meth:`wait_sends`."""
+    def send(self, payload: Payload, peer: int, channel: Channel, iteration: int, mb: MicroBatch) -> None:
+        """Post ``payload`` to ``peer``; its tensors must not change until :meth:`wait_sends`."""
         if channel is Channel.ACTIVATION and peer not in self._meta_sent:
-            self._post(self._meta_of(tensor), peer, 0)
+            self._post(encode_header(payload), peer, 0)
             self._meta_sent.add(peer)
-        self._post(tensor.contiguous(), peer, self._tag(channel, iteration, mb))
+        if isinstance(payload, torch.Tensor):
+            self._post(payload.contiguous(), peer, self._tag(channel, iteration, mb))
+            return
+        for part, tensor in enumerate(payload):
+            self._post(tensor.contiguous(), peer, self._tag(channel, iteration, mb, part))
+
+    def recv_activation(self, peer: int, iteration: int, mb: MicroBatch) -> Payload:
+        """Block until the activation of ``mb`` from ``peer`` arrives; returns fresh tensors."""
+        if peer not in self._meta_recv:
+            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            self._recv(meta, peer, 0)
+            self._meta_recv[peer] = decode_header(meta, peer)
+        is_tuple, specs = self._meta_recv[peer]
+        buffers = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
+        return self.recv_like(buffers if is_tuple else buffers[0], peer, Channel.ACTIVATION, iteration, mb)
+
+    def recv_like(self, buffer: Payload, peer: int, channel: Channel, iteration: int, mb: MicroBatch) -> Payload:
+        """Block until the message of ``mb`` on ``channel`` from ``peer`` fills ``buffer`` (a tensor or a tuple)."""
+        if isinstance(buffer, torch.Tensor):
+            self._recv(buffer, peer, self._tag(channel, iteration, mb))
+            return buffer
+        self._recv_parts(buffer, peer, [self._tag(channel, iteration, mb, part) for part in range(len(buffer))])
+        return buffer
 
     def _post(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         work = dist.isend(tensor, dst=peer, group=self.group, tag=tag)
         self._pending.append((work, tensor))
 
-    def recv_activation(self, peer: int, iteration: int, mb: MicroBatch) -> torch.Tensor:
-        """Block until the activation of ``mb`` from ``peer`` arrives; returns a fresh tensor."""
-        if peer not in self._meta_recv:
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
-            dist.recv(meta, src=peer, group=self.group, tag=0)
-            self._meta_recv[peer] = self._parse_meta(meta, peer)
-        shape, dtype = self._meta_recv[peer]
-        return self.recv_like(torch.empty(shape, dtype=dtype), peer, Channel.ACTIVATION, iteration, mb)
+    def _recv(self, buffer: torch.Tensor, peer: int, tag: int) -> None:
+        dist.recv(buffer, src=peer, group=self.group, tag=tag)
 
-    def recv_like(self, buffer: torch.Tensor, peer: int, channel: Channel, iteration: int,
-                  mb: MicroBatch) -> torch.Tensor:
-        """Block until the message of ``mb`` on ``channel`` from ``peer`` fills ``buffer``."""
-        dist.recv(buffer, src=peer, group=self.group, tag=self._tag(channel, iteration, mb))
-        return buffer
+    def _recv_parts(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
+        """Receive into several buffers: all posted first, then waited for."""
+        works = [dist.irecv(b, src=peer, group=self.group, tag=t) for b, t in zip(buffers, tags)]
+        for work in works:
+            if work is not None:  # None only on a rank outside the group, which cannot be a peer
+                work.wait()
 
     def wait_sends(self) -> None:
         """Wait until every posted send was received (each wait bounded by the group timeout)."""
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
-
-    @staticmethod
-    def _meta_of(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dtype not in _DTYPES or tensor.dim() > _META_LEN - 2:
-            raise TypeError(f"cannot send a stage output of dtype {tensor.dtype} with {tensor.dim()} dims; "
-                            f"stages must exchange one floating tensor of at most {_META_LEN - 2} dims")
-        meta = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-        return torch.tensor(meta + [0] * (_META_LEN - len(meta)), dtype=torch.int64)
-
-    @staticmethod
-    def _parse_meta(meta: torch.Tensor, peer: int) -> tuple[tuple[int, ...], torch.dtype]:
-        values = meta.tolist()
-        dtype_id, ndim = values[0], values[1]
-        if not (0 <= dtype_id < len(_DTYPES) and 0 <= ndim <= _META_LEN - 2):
-            raise RuntimeError(f"malformed activation header from rank {peer}: {values}")
-        return tuple(values[2:2 + ndim]), _DTYPES[dtype_id]

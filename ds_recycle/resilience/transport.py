@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ds_recycle.engine.optimizer import StaggeredOptimizer
-from ds_recycle.engine.p2p import Channel, PeerChannel
+from ds_recycle.engine.p2p import PeerChannel
 from ds_recycle.resilience.comm import EpochGroup, FailureProbe, bounded_wait
 
 __all__ = ["BoundedChannel", "BoundedOptimizer", "EpochComm", "ThreadedWork"]
@@ -93,27 +93,20 @@ class EpochComm:
 class BoundedChannel(PeerChannel):
     """:class:`PeerChannel` on an epoch's p2p group; receives and send completions are bounded waits."""
 
-    def __init__(self, comm: EpochComm, pipelines: int, microbatches: int,
-                 ) -> None:
+    def __init__(self, comm: EpochComm, pipelines: int, microbatches: int) -> None:
         super().__init__(None, pipelines, microbatches)
         self.comm = comm
 
     def _post(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         self._pending.append((self.comm.p2p.send(tensor, peer, tag), tensor))
 
-    def _recv(self, buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+    def _recv(self, buffer: torch.Tensor, peer: int, tag: int) -> None:
         self.comm.wait(ThreadedWork(self.comm.p2p.recv(buffer, peer, tag)), f"receive tag {tag} from rank {peer}")
-        return buffer
 
-    def recv_activation(self, peer: int, iteration: int, mb: tuple[int, int]) -> torch.Tensor:
-        if peer not in self._meta_recv:
-            self._meta_recv[peer] = self._parse_meta(self._recv(torch.zeros(8, dtype=torch.int64), peer, 0), peer)
-        shape, dtype = self._meta_recv[peer]
-        return self.recv_like(torch.empty(shape, dtype=dtype), peer, Channel.ACTIVATION, iteration, mb)
-
-    def recv_like(self, buffer: torch.Tensor, peer: int, channel: Channel, iteration: int,
-                  mb: tuple[int, int]) -> torch.Tensor:
-        return self._recv(buffer, peer, self._tag(channel, iteration, mb))
+    def _recv_parts(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
+        works = [ThreadedWork(self.comm.p2p.recv(b, peer, t)) for b, t in zip(buffers, tags)]
+        for work, tag in zip(works, tags):
+            self.comm.wait(work, f"receive tag {tag} from rank {peer}")
 
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
