@@ -14,7 +14,8 @@ stage's forward, the hooks record each owner's output tensor. Then:
 
 The per-owner split is exact when each owner's parameters reach the loss only through that owner's
 output in one call. When that does not hold (a module called twice in one forward, a parameter shared by
-two owners, an output that is neither a tensor nor a flat tuple of tensors, or one modified in place), the
+two owners, an output that is neither a tensor nor a flat tuple of tensors, or one modified in place, an owner whose
+parameters are used without calling it, as a tied head reads the embedding's weight), the
 micro-batch falls back to one whole-stage W (``backward(output, grad, inputs=all parameters)``), which is
 always exact.
 
@@ -119,6 +120,10 @@ class OwnerCapture:
             yield cap
         finally:
             self._active = None
+        if cap.exact and len({id(m) for m, _, _ in cap.outputs}) < len(self.owners):
+            # An owner whose forward did not run may still have its parameters in the graph (a TiedLayerSpec head
+            # reads the embedding's weight through its forward_fn): only a whole-stage W is sure to reach them.
+            cap.exact = False
 
 
 @dataclass
