@@ -5,9 +5,11 @@
     deepspeed --num_accelerators 4 user_train.py --deepspeed_config configs/fp32.json --model gpt --steps 20
 
 Each step prints ``step N loss X`` on rank 0. ``--save-final`` writes every stage's parameters, keyed by
-DeepSpeed's layer-indexed names (``3.weight``, ``tied_modules.embed.weight``), to one file.
+layer-indexed names (``3.weight``), to one file, through a DeepSpeed checkpoint (written by the stages' first live
+workers under ds_recycle, also after a failure).
 """
 import argparse
+from pathlib import Path
 
 import deepspeed
 import models
@@ -28,19 +30,15 @@ def parse_args() -> argparse.Namespace:
 
 
 def save_final(engine: deepspeed.PipelineEngine, path: str) -> None:
-    """Pipeline 0 gathers its stages' parameters on its first stage, which writes them to ``path``."""
-    grid = engine.grid
-    if grid.get_data_parallel_id() != 0:
-        return
-    state = {name: p.detach().float().cpu() for name, p in engine.module.named_parameters()}
-    first = grid.stage_to_global(0)
-    gathered: list | None = [None] * grid.get_pipe_parallel_world_size() if engine.global_rank == first else None
-    dist.gather_object(state, gathered, dst=first, group=grid.get_pipe_parallel_group())
-    if gathered is not None:
+    """A DeepSpeed checkpoint next to ``path``; then rank 0 merges its layer files into one file at ``path``."""
+    directory = Path(path).with_suffix(".ckpt")
+    engine.save_checkpoint(str(directory), tag="final")
+    if engine.global_rank == 0:
         merged: dict[str, torch.Tensor] = {}
-        for stage_state in gathered:
-            for name, tensor in stage_state.items():
-                merged.setdefault(name, tensor)  # a tied weight: the first stage's copy
+        for layer in sorted((directory / "final").glob("layer_*-model_states.pt")):
+            index = int(layer.name.split("_")[1].split("-")[0])
+            for name, tensor in torch.load(layer, map_location="cpu", weights_only=True).items():
+                merged[f"{index}.{name}"] = tensor.float()
         torch.save(merged, path)
 
 
