@@ -465,7 +465,7 @@ class RecyclePipelineEngine(PipelineEngine):
     def _slot(self, buffer_id: int, micro_batch: ins.MicroBatch) -> _Slot:
         slot = self.slots.get(buffer_id)
         if slot is None or slot.mb != tuple(micro_batch):
-            slot = _Slot(tuple(micro_batch))
+            slot = _Slot((micro_batch[0], micro_batch[1]))
             self.slots[buffer_id] = slot
         return slot
 

@@ -528,7 +528,7 @@ class ResilientRunner:
         if self.rank == self.workers.stage_ranks(stage)[0]:
             buf = io.BytesIO()
             torch.save(cpu_state_dict(self.engine.module), buf)
-            self.store.set(key + str(stage), buf.getvalue())
+            self.store.set(key + str(stage), buf.getvalue())  # type: ignore[arg-type]  # the store takes bytes too
         if self.rank != self.engine.reporter_rank:
             return None
         return merge_in_layer_order(torch.load(io.BytesIO(self.store.get(key + str(s))), weights_only=True)
