@@ -153,7 +153,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        # No qkv bias: the key bias's gradient is exactly zero (softmax ignores a per-row shift), so Adam turns its
+        # rounding noise into full-size steps and two exact engines would disagree there by up to the learning rate.
+        self.qkv, self.proj = nn.Linear(width, 3 * width, bias=False), nn.Linear(width, width)
         self.fc, self.out = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
 
     def attend(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
