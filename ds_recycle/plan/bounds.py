@@ -142,8 +142,8 @@ def best_possible(stages: int, pipelines: int, microbatches: int, costs: CostMod
     "Best failure-free plan" is the best the planner finds without failures (zero-bubble and adaptive
     schedules, same optimizer and memory limit), so the figure is as good as the planner's own.
     """
-    from ds_recycle.plan.schedules import best_failure_free
+    from ds_recycle.plan.schedules import best_failure_free_time
     bound = lower_bound(stages, pipelines, microbatches, costs, failed, iterations)
-    free = best_failure_free(stages, pipelines, microbatches, costs, iterations=iterations,
+    free = best_failure_free_time(stages, pipelines, microbatches, costs, iterations=iterations,
                              optimizer=optimizer, memory_limit=memory_limit)
-    return max(bound, free.makespan)
+    return max(bound, free)

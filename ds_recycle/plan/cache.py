@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ds_recycle.plan._gc import gc_paused
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError
 from ds_recycle.plan.ops import Worker
@@ -108,8 +109,9 @@ class PlanCache:
     def precompute(self, max_failures: int = 2) -> int:
         """Make the plan of every failure set of up to ``max_failures`` workers; returns how many distinct."""
         keys = self.keys_up_to(max_failures)
-        for key in keys:
-            self._plan(key)
+        with gc_paused():
+            for key in keys:
+                self._plan(key)
         return len(keys)
 
     def _make(self, key: FailureKey) -> Plan:

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
+from ds_recycle.plan._gc import gc_paused
 from ds_recycle.plan.bounds import check_shape, failures_per_stage
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import DeadlockError, PlanError
@@ -32,7 +33,8 @@ from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan
 from ds_recycle.plan.routing import Routing, route
 from ds_recycle.plan.search import Candidate, improve
 
-__all__ = ["make_plan", "best_failure_free", "failure_free", "ADAPTIVE_VARIANTS", "VARIANTS_BY_SIZE", "policies_for"]
+__all__ = ["make_plan", "best_failure_free", "best_failure_free_time", "failure_free", "failure_free_time",
+           "ADAPTIVE_VARIANTS", "VARIANTS_BY_SIZE", "policies_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,15 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     Raises :class:`StageLostError` when every worker of some stage failed, :class:`PlanError` on bad input.
     """
     _check_arguments(stages, pipelines, microbatches, costs, iterations, schedule, optimizer, memory_limit)
-    failed = frozenset((int(p), int(s)) for p, s in failed)
+    with gc_paused():
+        return _make_plan(stages, pipelines, microbatches, costs, frozenset((int(p), int(s)) for p, s in failed),
+                          iterations, schedule, optimizer, memory_limit, variants, time_budget, search)
+
+
+def _make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel, failed: frozenset[Worker],
+               iterations: int, schedule: str, optimizer: str, memory_limit: int | None, variants: int | None,
+               time_budget: float | None, search: int | None, copy: bool = True) -> Plan:
+    """make_plan after its checks; ``copy=False``: a failure-free plan of one pipeline, sized for all of them."""
     failures_per_stage(failed, stages, pipelines)
     ops_count = 3 * stages * pipelines * microbatches * iterations
     if variants is None:
@@ -105,10 +115,9 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
         search = 0 if schedule != "adaptive" or ops_count > SEARCH_OPS_MOST else \
             min(SEARCH_MOST, SEARCH_OPS // ops_count)
     if not failed and pipelines > 1:  # pipelines never meet but in O, and are alike: plan one, copy it
-        one = make_plan(stages, 1, microbatches, costs, iterations=iterations, schedule=schedule,
-                        optimizer=optimizer, memory_limit=memory_limit, variants=variants,
-                        time_budget=time_budget, search=search)
-        return _replicate(one, pipelines)
+        one = _make_plan(stages, 1, microbatches, costs, failed, iterations, schedule, optimizer, memory_limit,
+                         variants, time_budget, search)
+        return _replicate(one, pipelines) if copy else one
     routing = route(stages, pipelines, microbatches, failed)
     sync = optimizer == "synchronous"
     span, workers, policy = _best_variant(stages, pipelines, microbatches, costs, routing, failed, iterations, sync,
@@ -171,21 +180,46 @@ def _replicate(one: Plan, pipelines: int) -> Plan:
                 frozenset(), dict(sorted(workers.items())), one.schedule)
 
 
-@functools.lru_cache(maxsize=32)
 def best_failure_free(stages: int, pipelines: int, microbatches: int, costs: CostModel, *,
                       iterations: int = 1, optimizer: str = "staggered",
                       memory_limit: int | None = None) -> Plan:
     """The failure-free plan with the smallest makespan among the zero-bubble and adaptive schedules."""
-    plans = [failure_free(stages, pipelines, microbatches, costs, iterations=iterations, schedule=name,
-                          optimizer=optimizer, memory_limit=memory_limit) for name in ("zb-h1", "adaptive")]
-    return min(plans, key=lambda p: p.makespan)
+    return _replicate(_best_one(stages, pipelines, microbatches, costs, iterations, optimizer, memory_limit),
+                      pipelines)
 
 
-@functools.lru_cache(maxsize=32)
+def best_failure_free_time(stages: int, pipelines: int, microbatches: int, costs: CostModel, *,
+                           iterations: int = 1, optimizer: str = "staggered", memory_limit: int | None = None) -> float:
+    """The makespan of :func:`best_failure_free` (without building its copies of the pipeline)."""
+    return _best_one(stages, pipelines, microbatches, costs, iterations, optimizer, memory_limit).makespan
+
+
 def failure_free(stages: int, pipelines: int, microbatches: int, costs: CostModel, *, iterations: int = 1,
                  schedule: str = "adaptive", optimizer: str = "staggered", memory_limit: int | None = None) -> Plan:
-    """``make_plan`` without failures, remembered (the reference every report of a failure set compares to)."""
-    return make_plan(stages, pipelines, microbatches, costs, iterations=iterations, schedule=schedule,
-                     optimizer=optimizer, memory_limit=memory_limit)
+    """``make_plan`` without failures; the one-pipeline plan it copies is remembered."""
+    return _replicate(_one(stages, pipelines, microbatches, costs, iterations, schedule, optimizer, memory_limit),
+                      pipelines)
 
 
+def failure_free_time(stages: int, pipelines: int, microbatches: int, costs: CostModel, *, iterations: int = 1,
+                      schedule: str = "adaptive", optimizer: str = "staggered",
+                      memory_limit: int | None = None) -> float:
+    """The makespan of :func:`failure_free`: the reference every report of a failure set compares to."""
+    return _one(stages, pipelines, microbatches, costs, iterations, schedule, optimizer, memory_limit).makespan
+
+
+@functools.lru_cache(maxsize=64)
+def _one(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int, schedule: str,
+         optimizer: str, memory_limit: int | None) -> Plan:
+    """The one-pipeline plan that :func:`make_plan` copies for ``pipelines`` failure-free pipelines."""
+    _check_arguments(stages, pipelines, microbatches, costs, iterations, schedule, optimizer, memory_limit)
+    with gc_paused():
+        return _make_plan(stages, pipelines, microbatches, costs, frozenset(), iterations, schedule, optimizer,
+                          memory_limit, None, None, None, copy=False)
+
+
+def _best_one(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int, optimizer: str,
+              memory_limit: int | None) -> Plan:
+    plans = [_one(stages, pipelines, microbatches, costs, iterations, name, optimizer, memory_limit)
+             for name in ("zb-h1", "adaptive")]
+    return min(plans, key=lambda p: p.makespan)
