@@ -8,7 +8,8 @@ from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError, StageLostError
 from ds_recycle.plan.ops import Worker
 
-__all__ = ["lower_bound", "routed_lower_bound", "round_trip_bound", "critical_path_bound", "best_lower_bound",
+__all__ = ["lower_bound", "routed_lower_bound", "round_trip_bound", "critical_path_bound", "stage_spans",
+           "best_lower_bound",
            "best_possible", "failures_per_stage", "check_shape"]
 
 
@@ -108,6 +109,17 @@ def critical_path_bound(stages: int, pipelines: int, microbatches: int, costs: C
     ``K * max_s [head_s + that] + (K - 1) * O_0 + max_s O_s``. The round-trip bound is the second line at s=0.
     """
     check_shape(stages, pipelines, microbatches, costs, iterations)
+    head, span = stage_spans(stages, pipelines, microbatches, costs, failed, memory_limit)
+    if optimizer == "synchronous":
+        return (iterations * max(head[s] + span[s] for s in range(stages))
+                + (iterations - 1) * costs.O[0] + max(costs.O))
+    return max(head[s] + iterations * (span[s] + costs.O[s]) for s in range(stages))
+
+
+def stage_spans(stages: int, pipelines: int, microbatches: int, costs: CostModel, failed: Iterable[Worker] = (),
+                memory_limit: int | None = None) -> tuple[list[float], list[float]]:
+    """``(head_s, span_s)`` of :func:`critical_path_bound`: the earliest first op of stage s, and the least time
+    from the first F of an iteration to the O on the busiest live worker of stage s."""
     f = failures_per_stage(failed, stages, pipelines)
     F, B, W, comm = costs.F, costs.B, costs.W, costs.comm
     head = [sum(F[j] + comm for j in range(s)) for s in range(stages)]
@@ -118,10 +130,7 @@ def critical_path_bound(stages: int, pipelines: int, microbatches: int, costs: C
         span.append(max(n * costs.work(s), F[s] + tail[s] + n * (B[s] + W[s]), n * F[s] + tail[s] + B[s] + W[s]))
         if memory_limit is not None and memory_limit < n:
             span[-1] = max(span[-1], F[s] + tail[s] + (n - memory_limit) * F[s] + n * (B[s] + W[s]))
-    if optimizer == "synchronous":
-        return (iterations * max(head[s] + span[s] for s in range(stages))
-                + (iterations - 1) * costs.O[0] + max(costs.O))
-    return max(head[s] + iterations * (span[s] + costs.O[s]) for s in range(stages))
+    return head, span
 
 
 def best_lower_bound(stages: int, pipelines: int, microbatches: int, costs: CostModel,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from ds_recycle.plan.bounds import stage_spans
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.ops import MicroBatch, Op, OpKey, OpKind, Worker
 
@@ -153,6 +154,16 @@ class _Model:
                     self.intervals.setdefault((p, s), []).append(iv)
                     self.m.add(self.C >= start + self.dur[_O][s])
 
+    def cuts(self, head: list[float], span: list[float]) -> None:
+        """Redundant bounds that the solver's relaxation does not see through the no-overlaps: a stage's O
+        waits at least ``span_s`` (:func:`bounds.stage_spans`) after its first possible op of the iteration."""
+        for s in range(self.S):
+            g, least = self.group(s), math.floor(span[s] * self.scale * (1 - 1e-9))
+            first = math.floor(head[s] * self.scale * (1 - 1e-9))
+            self.m.add(self.o_start[(g, 0)] >= first + least)
+            for k in range(1, self.K):
+                self.m.add(self.o_start[(g, k)] >= self.o_start[(self.group(s), k - 1)] + self.dur[_O][s] + least)
+
     def _precedences(self) -> None:
         add, d, c = self.m.add, self.dur, self.comm
         for (kind, s, k, mb), v in self.start.items():
@@ -194,16 +205,17 @@ class _Model:
                     self.m.add(self.start[(_F, 0, k, (o, i))] <= self.start[(_F, 0, k, (o, i + 1))])
 
     def hint(self, workers: Mapping[Worker, tuple[Op, ...]]) -> None:
-        """Warm start from a plan with the same routing rules (the heuristic's)."""
+        """Warm start from a plan (the heuristic's), its micro-batches renamed to meet the symmetry rule."""
+        name = self._names(workers)
         for (p, s), ops in workers.items():
             for op in ops:
-                t = round(op.start * self.scale)
-                if op.kind is _O:
+                if op.kind is _O or op.mb is None:
                     continue
-                self.m.add_hint(self.start[(op.kind, s, op.iteration, op.mb)], t)  # type: ignore[index]
+                mb = name[(op.iteration, op.mb)]
+                self.m.add_hint(self.start[(op.kind, s, op.iteration, mb)], round(op.start * self.scale))
                 if op.kind is _F and op.iteration == 0:
-                    for q in self.candidates[(s, op.mb)]:  # type: ignore[index]
-                        lit = self.choice.get((s, op.mb, q))  # type: ignore[arg-type]
+                    for q in self.candidates[(s, mb)]:
+                        lit = self.choice.get((s, mb, q))
                         if lit is not None:
                             self.m.add_hint(lit, int(q == p))
         groups: dict[tuple[int, int], float] = {}
@@ -213,6 +225,28 @@ class _Model:
                     groups[(self.group(s), op.iteration)] = op.start
         for key, at in groups.items():
             self.m.add_hint(self.o_start[key], round(at * self.scale))
+        end = max(ops[-1].end for ops in workers.values())
+        self.m.add_hint(self.C, round(end * self.scale))
+
+    def _names(self, workers: Mapping[Worker, tuple[Op, ...]]) -> dict[tuple[int, MicroBatch], MicroBatch]:
+        """``(iteration, mb) -> mb'``: each owner's micro-batches numbered in the order the first stage starts
+        their F (in iteration 0 for every iteration if the owner lost a worker, else per iteration), which is
+        the order :meth:`_symmetry` imposes; a relabelling of interchangeable micro-batches, so still a plan."""
+        first: dict[tuple[int, MicroBatch], float] = {}
+        for (_p, s), ops in workers.items():
+            if s == 0:
+                for op in ops:
+                    if op.kind is _F and op.mb is not None:
+                        first[(op.iteration, op.mb)] = op.start
+        name: dict[tuple[int, MicroBatch], MicroBatch] = {}
+        for o in range(self.D):
+            moves = any((o, s) in self.failed for s in range(self.S))
+            for k in range(self.K):
+                by = 0 if moves else k
+                order = sorted(range(self.M), key=lambda i: (first[(by, (o, i))], i))
+                for j, i in enumerate(order):
+                    name[(k, (o, i))] = (o, j)
+        return name
 
     def orders(self, solver: cp_model.CpSolver) -> dict[Worker, list[OpKey]]:
         """Every live worker's ops sorted by their solved start (O after the ops it closes)."""
@@ -239,6 +273,7 @@ def solve_cpsat(stages: int, pipelines: int, microbatches: int, costs: CostModel
     model = _Model(stages, pipelines, microbatches, costs, failed, iterations, synchronous, memory_limit,
                    horizon, lower)
     model.build()
+    model.cuts(*stage_spans(stages, pipelines, microbatches, costs, failed, memory_limit))
     if hint is not None:
         model.hint(hint)
     solver = cp_model.CpSolver()

@@ -52,6 +52,9 @@ class Policy:
     free_early: bool = False
     """With a memory limit: once the worker is one micro-batch short of it, a pending W goes before B and F
     (it frees room for the next F, so the pipeline keeps being fed)."""
+    fuse_first: bool = False
+    """At the first stage, W right after its B: nothing waits there for the B's output, and running W at once
+    keeps the memory low and a loaded first stage (a failure there) free of W left for the end."""
     alternate: bool = False
     """Once the warm-up cap is reached, strictly alternate B and F (1F1B's order of F and B), with W
     filling the time in which the op due next is not ready: ZB-H1's construction."""
@@ -100,6 +103,7 @@ class _Pass:
         self.costs, self.routing, self.sync, self.policy = costs, routing, synchronous, policy
         self.mem = _INF if policy.memory_limit is None else policy.memory_limit
         self.free_early, self.fit_w, self.forward_first = policy.free_early, policy.fit_w, policy.forward_first
+        self.fuse_first = policy.fuse_first
         self.w_cost = costs.W
         self.cost = {_F: costs.F, _B: costs.B, _W: costs.W, _O: costs.O}
         self.workers: dict[Worker, _Worker] = {}
@@ -234,7 +238,7 @@ class _Pass:
         w.wq.append((mb, k))
         if self.policy.alternate:
             w.expect = _F if w.f_left > 0 else None
-        if self.policy.fused:
+        if self.policy.fused or (self.fuse_first and w.stage == 0):
             end = self._run_w(w, end)
         if w.stage > 0:
             self._send(w.stage - 1, mb, "b", (end + self.costs.comm, rank, mb, k), w.key[0])

@@ -57,11 +57,15 @@ SEARCH_MOST = 150
 SEARCH_OPS_MOST = 8_000
 
 
-def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[Policy, ...]:
+def policies_for(schedule: str, stages: int, memory_limit: int | None,
+                 first_stage_failed: bool = False) -> tuple[Policy, ...]:
     """The greedy variants a schedule tries, in order; the best is kept.
 
     Under a memory limit the adaptive planner also tries :attr:`Policy.free_early` versions, ordered by how
-    often they won over the benchmark grid with a limit (S in {4, 8}; 252 cases).
+    often they won over the benchmark grid with a limit (S in {4, 8}; 252 cases). When the first stage lost a
+    worker, each adaptive variant is followed by its :attr:`Policy.fuse_first` version: there the survivors
+    carry the most work and are the bottleneck, and W at once after B keeps them from idling while W pile up
+    (on the odd-shape suite: 71.4 -> 66.4 for S=5, D=3, M=6 with heavier end stages, the bound being 65.8).
     """
     if schedule == "1f1b":
         return (Policy(fused=True, warmup=0, memory_limit=memory_limit),)
@@ -70,11 +74,13 @@ def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[
         return tuple(Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True)
                      for w, ff in ((0, False), (0, True), (1, False)))
     base = [Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True) for w, ff in ADAPTIVE_VARIANTS]
-    if limit is None:
-        return tuple(base)
-    early = [dataclasses.replace(p, free_early=True) for p in base]
-    # base[4] is ZB-H1's warm-up cap (S - s): under a limit it often wins on deep pipelines (S = 16)
-    return tuple([base[0], early[0], base[4], early[1], base[2], base[3], base[1], base[5]] + early[2:])
+    if limit is not None:
+        early = [dataclasses.replace(p, free_early=True) for p in base]
+        # base[4] is ZB-H1's warm-up cap (S - s): under a limit it often wins on deep pipelines (S = 16)
+        base = [base[0], early[0], base[4], early[1], base[2], base[3], base[1], base[5]] + early[2:]
+    if first_stage_failed:
+        base = [q for p in base for q in (p, dataclasses.replace(p, fuse_first=True))]
+    return tuple(base)
 
 
 def _plan_memory_limit(schedule: str, stages: int, memory_limit: int | None) -> int | None:
@@ -90,7 +96,10 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     """The plan of ``schedule`` for this shape and failure set (see the module docstring).
 
     ``variants``: how many greedy variants to try (default: all of them (six, twelve under a memory
-    limit) up to 8,000 ops, three (four) up to 30,000, else one (two); see :data:`VARIANTS_BY_SIZE`). ``time_budget``
+    limit, twice that with a first-stage failure) up to 8,000 ops, three (four) up to 30,000, else one (two);
+    see :data:`VARIANTS_BY_SIZE` and :func:`policies_for`). ``search``: local-search evaluations after them
+    (default ``min(SEARCH_MOST, SEARCH_OPS // ops)`` for adaptive plans of at most ``SEARCH_OPS_MOST`` ops,
+    else none; see :mod:`search`). ``time_budget``
     (seconds) stops trying further variants once spent (the
     first always runs); it makes the result depend on the machine's speed, so caches and tests leave it
     unset.
@@ -108,9 +117,12 @@ def _make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     """make_plan after its checks; ``copy=False``: a failure-free plan of one pipeline, sized for all of them."""
     failures_per_stage(failed, stages, pipelines)
     ops_count = 3 * stages * pipelines * microbatches * iterations
+    first_failed = any(s == 0 for _, s in failed)
     if variants is None:
         limited = memory_limit is not None
         variants = next((n[limited] for most, *n in VARIANTS_BY_SIZE if ops_count <= most), 1 + limited)
+        if first_failed and ops_count <= VARIANTS_BY_SIZE[0][0]:
+            variants *= 2  # each variant with and without the fused first stage: small plans are cheap
     if search is None:
         search = 0 if schedule != "adaptive" or ops_count > SEARCH_OPS_MOST else \
             min(SEARCH_MOST, SEARCH_OPS // ops_count)
@@ -120,9 +132,9 @@ def _make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
         return _replicate(one, pipelines) if copy else one
     routing = route(stages, pipelines, microbatches, failed)
     sync = optimizer == "synchronous"
+    policies = policies_for(schedule, stages, memory_limit, first_stage_failed=first_failed)
     span, workers, policy = _best_variant(stages, pipelines, microbatches, costs, routing, failed, iterations, sync,
-                                          policies_for(schedule, stages, memory_limit)[:max(1, variants)],
-                                          time_budget)
+                                          policies[:max(1, variants)], time_budget)
     if search > 0:
         rank = {(o, i): i * pipelines + o for o in range(pipelines) for i in range(microbatches)}
         found = improve(Candidate(routing, rank, workers, span), stages, pipelines, microbatches, costs, failed,
