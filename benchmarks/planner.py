@@ -321,8 +321,8 @@ SECTIONS = ("suite", "quality", "bubbles", "exact", "speed")
 
 
 def _ortools_version() -> str:
-    import ortools
-    return str(ortools.__version__)
+    from importlib.metadata import version
+    return version("ortools")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ class PlanCache:
 
         The renamed plan is kept too, so asking again for the same set is a dictionary lookup.
         """
-        exact = frozenset(map(tuple, failed))
+        exact = frozenset((int(p), int(s)) for p, s in failed)
         hit = self._renamed.get(exact)
         if hit is not None:
             return hit

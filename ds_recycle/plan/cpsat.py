@@ -121,7 +121,7 @@ class _Model:
                     self.m.add_exactly_one(lits)
                     for p, lit in zip(peers, lits):
                         self.choice[(s, mb, p)] = lit
-            # balance is not imposed: the solver may load peers unevenly if that is better
+            # no balance constraint: the solver may load the peers unevenly if that is better
 
     def _ops(self) -> None:
         for k in range(self.K):

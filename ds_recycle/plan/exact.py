@@ -97,7 +97,8 @@ def solve_exact(stages: int, pipelines: int, microbatches: int, costs: CostModel
                             sim.workers, "adaptive")
         except DeadlockError as exc:  # rounding made a tie the solver ordered differently: keep the greedy
             logger.warning("the %s solution does not re-time: %s", solver, exc)
-    dual = min(max(bound, answer.bound), plan.makespan)
+    # with rounded costs the solver's bound is for other durations: keep only the exact bounds then
+    dual = min(max(bound, bound if answer.rounded else answer.bound), plan.makespan)
     optimal = answer.optimal or dual >= plan.makespan * (1 - 1e-9)
     return ExactResult(plan, optimal, plan.makespan if optimal else dual, horizon, solver, answer.status,
                        answer.seconds)
