@@ -12,6 +12,7 @@ of the failed pipelines. ``{(3, 1), (0, 2)}`` and ``{(1, 1), (2, 2)}`` share the
 """
 from __future__ import annotations
 
+import gc
 import gzip
 import itertools
 import json
@@ -112,6 +113,10 @@ class PlanCache:
         with gc_paused():
             for key in keys:
                 self._plan(key)
+        if gc.isenabled():
+            # the collector's first full pass over the new plans (~10^6 objects, about a second) happens now,
+            # ahead of time, not in the first lookup after a failure; it then waits for as many new objects again
+            gc.collect()
         return len(keys)
 
     def _make(self, key: FailureKey) -> Plan:
