@@ -14,6 +14,9 @@ Both start from the greedy plan (CP-SAT as a hint), bound the makespan by it and
 :func:`bounds.best_lower_bound`, and hand their op orders to :func:`simulate`, which re-times them with the
 exact costs (never later than the solver's times), so the plan is valid whatever the solver's rounding. If
 the solver finds nothing better in time, the greedy plan is kept.
+
+A solver's plan measures what is possible; it need not keep each channel's transfers in one order
+(:func:`validate.check_channels`), which the list scheduler's plans, the ones the runtime runs, always do.
 """
 from __future__ import annotations
 
