@@ -20,6 +20,7 @@ setup(
         "wandb",
         "matplotlib",
         "scipy",
+        "ortools",
     ],
     extras_require={"test": ["pytest", "pytest-timeout", "ruff==0.17.6", "mypy==2.4.1"]},
     entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:main"]},

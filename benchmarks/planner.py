@@ -1,21 +1,23 @@
-"""Planner benchmark: quality of adapted plans, zero-bubble vs 1F1B, greedy vs exact, planner speed.
+"""Planner benchmark: adapted plans against the exact solver on odd shapes, the regular grid, zero-bubble
+vs 1F1B, CP-SAT vs HiGHS, planner speed.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner.py              # the whole table (minutes)
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner.py --stages 4   # one S only
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner.py                      # everything (long)
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner.py --only suite         # heuristic vs exact
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner.py --only exact --only speed
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner.py --only quality --stages 4
 
-Grid: S in {4, 8, 16}, D in {2, 4, 8}, M in {S, 2S, 4S}; failures: none, one in the first, a middle and the
-last stage, two in one stage, two in different stages, three spread; K=2 iterations, staggered optimizer;
-comm = 5% of F; O = 0.5 F. Two cost profiles: uniform (F=B=W=1) and GPT-like (W cheaper than B, first and
-last stage heavier for the embedding and the LM head/loss; see GPT_LIKE).
+suite: odd shapes S in {3, 5, 7} with M not a multiple of S (D in {2, 3, 4}); cost profiles uniform, heavier
+first and last stages, W half of B, communication 15% of F, and a GPT-like mix of the three; one to three
+failures (first stage, middle, last, spread); a memory limit of S+1 micro-batches per worker with a
+first-stage failure (the survivor's load doubles, its memory does not); a synchronous-optimizer case; K=2
+iterations (K=1 for the synchronous case). Each case: the adaptive plan (``make_plan``: greedy variants and
+the bounded local search), then CP-SAT (``solve_exact``, warm-started from it, --time-limit seconds, 2
+workers). "best" is the proven optimum when CP-SAT proves one; otherwise the largest of the proven bounds
+(bounds.best_lower_bound, CP-SAT's own bound) and the best failure-free plan of the shape, capped by the
+best plan found. Reported: adapted / best (target median <= 1.03, worst <= 1.08), adapted / best found.
 
-"best possible" = max(plan-format lower bound, best failure-free plan of the same shape, costs and memory
-setting). "/rbest" uses the routed bound instead (bounds.routed_lower_bound: a micro-batch keeps its worker
-in every iteration, as the engine's contract requires, so the busiest peer carries ceil(D*M/(D-f)) each
-iteration rather than ceil(K*D*M/(D-f)) over K iterations). The summary also reports "tight best": the
-larger of that, the failure-free plan and bounds.round_trip_bound (stage 0 waits for a full round trip of
-its first micro-batch in every iteration, which the plan format's formula leaves out). Two memory settings: unlimited,
-and a limit of ceil(S * D / (D - f_max)) micro-batches per
-worker (f_max: most failures in one stage), i.e. 1F1B's first-stage memory scaled by the re-routed load.
+quality: the regular grid S in {4, 8, 16}, D in {2, 4, 8}, M in {S, 2S, 4S} (uniform and GPT-like costs;
+comm 5% of F; O = 0.5 F), no exact solver, against bounds and the failure-free plan only.
 """
 from __future__ import annotations
 
@@ -24,14 +26,16 @@ import datetime
 import math
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
-from ds_recycle.plan import CostModel, PlanCache, lower_bound, make_plan
-from ds_recycle.plan.bounds import round_trip_bound, routed_lower_bound
+from ds_recycle.plan import CostModel, PlanCache, lower_bound, make_plan, validate_plan
+from ds_recycle.plan.bounds import best_lower_bound, round_trip_bound, routed_lower_bound
 from ds_recycle.plan.exact import solve_exact
-from ds_recycle.plan.schedules import best_failure_free
+from ds_recycle.plan.schedules import best_failure_free_time
 from ds_recycle.plan.simulator import busy_time
 
 K = 2
@@ -68,6 +72,72 @@ def memory_limit(stages: int, pipelines: int, failed: list[tuple[int, int]]) -> 
     return math.ceil(stages * pipelines / (pipelines - f_max))
 
 
+def suite_costs(profile: str, stages: int) -> CostModel:
+    """The suite's cost profiles (O = 0.5 everywhere)."""
+    f, b, w, comm = [1.0] * stages, [1.0] * stages, [1.0] * stages, 0.05
+    if profile in ("heavy-ends", "gpt-like"):
+        f[0], b[0], f[-1], b[-1] = 1.3, 1.3, 1.5, 1.5
+        w[-1] = 1.2
+    if profile in ("w-cheap", "gpt-like"):
+        w = [0.5 * x for x in b]
+    if profile in ("comm15", "gpt-like"):
+        comm = 0.15
+    return CostModel(tuple(f), tuple(b), tuple(w), (0.5,) * stages, comm)
+
+
+#: (S, D, M): odd S, M not a multiple of S
+SUITE_SHAPES = ((3, 2, 4), (3, 3, 5), (3, 4, 4), (5, 2, 7), (5, 3, 6), (5, 4, 8), (7, 2, 8), (7, 3, 9))
+
+
+def suite_cases() -> list[dict]:
+    cases = []
+    for S, D, M in SUITE_SHAPES:
+        mid, last = S // 2, S - 1
+        base = {"S": S, "D": D, "M": M, "K": K, "limit": None, "optimizer": "staggered"}
+        cases.append({**base, "costs": "heavy-ends", "failed": [(0, 0)], "name": "1 first"})
+        cases.append({**base, "costs": "w-cheap", "failed": [(0, mid)], "name": "1 middle"})
+        cases.append({**base, "costs": "comm15", "failed": [(0, last)], "name": "1 last"})
+        cases.append({**base, "costs": "gpt-like", "failed": [(0, 0), (1, last if D > 2 else mid)], "name": "2"})
+        if D >= 3:
+            cases.append({**base, "costs": "uniform", "failed": [(0, 0), (1, mid), (2, last)], "name": "3 spread"})
+        cases.append({**base, "costs": "gpt-like", "failed": [(0, 0)], "name": "1 first", "limit": S + 1})
+        cases.append({**base, "costs": "uniform", "failed": [(0, mid)], "name": "1 middle", "K": 1,
+                      "optimizer": "synchronous"})
+    return cases
+
+
+def suite(time_limit: float) -> None:
+    print(f"\nheuristic vs exact on odd shapes (CP-SAT, {time_limit:g} s limit, 2 workers, warm start from the plan)")
+    print(f"{'S':>2} {'D':>2} {'M':>2} {'K':>1} {'costs':>10} {'failed':>9} {'lim':>3} {'opt':>5} | {'plan':>8} "
+          f"{'plan s':>6} | {'exact':>8} {'proven':>6} {'bound':>8} {'s':>5} | {'best':>8} {'/best':>6} {'/found':>6}")
+    ratios, found, proven = [], [], 0
+    for case in suite_cases():
+        S, D, M, k = case["S"], case["D"], case["M"], case["K"]
+        costs = suite_costs(case["costs"], S)
+        kw = {"iterations": k, "optimizer": case["optimizer"], "memory_limit": case["limit"]}
+        began = time.process_time()
+        plan = make_plan(S, D, M, costs, case["failed"], **kw)
+        plan_s = time.process_time() - began
+        validate_plan(plan)
+        exact = solve_exact(S, D, M, costs, case["failed"], time_limit=time_limit, greedy=plan, **kw)
+        validate_plan(exact.plan)
+        bounds = max(best_lower_bound(S, D, M, costs, case["failed"], k, optimizer=case["optimizer"],
+                                      memory_limit=case["limit"]),
+                     best_failure_free_time(S, D, M, costs, **kw), exact.dual_bound)
+        best = exact.plan.makespan if exact.optimal else min(exact.plan.makespan, bounds)
+        proven += exact.optimal
+        ratios.append(plan.makespan / best)
+        found.append(plan.makespan / exact.plan.makespan)
+        print(f"{S:>2} {D:>2} {M:>2} {k:>1} {case['costs']:>10} {case['name']:>9} {str(case['limit']):>3} "
+              f"{case['optimizer'][:5]:>5} | {plan.makespan:>8.2f} {plan_s:>6.2f} | {exact.plan.makespan:>8.2f} "
+              f"{str(exact.optimal):>6} {exact.dual_bound:>8.2f} {exact.seconds:>5.1f} | {best:>8.2f} "
+              f"{ratios[-1]:>6.3f} {found[-1]:>6.3f}", flush=True)
+    print(f"  {len(ratios)} cases, {proven} proven optimal by CP-SAT")
+    print(f"  adapted / best possible: median {statistics.median(ratios):.4f}, worst {max(ratios):.4f} "
+          f"(target: median <= 1.03, worst <= 1.08)")
+    print(f"  adapted / best plan found (CP-SAT's): median {statistics.median(found):.4f}, worst {max(found):.4f}")
+
+
 def quality_rows(stage_list: list[int]) -> list[dict]:
     rows = []
     for S in stage_list:
@@ -88,7 +158,7 @@ def _row(S: int, D: int, M: int, profile: str, costs: CostModel, name: str, fail
     out = {"S": S, "D": D, "M": M, "costs": profile, "failed": name, "bound": bound / K}
     for tag, limit in (("inf", None), ("lim", memory_limit(S, D, failed))):
         plan = make_plan(S, D, M, costs, failed, iterations=K, memory_limit=limit)
-        free = best_failure_free(S, D, M, costs, iterations=K, memory_limit=limit).makespan
+        free = best_failure_free_time(S, D, M, costs, iterations=K, memory_limit=limit)
         best = max(bound, free)
         out[f"{tag}_time"] = plan.time_per_iteration
         out[f"{tag}_best"] = plan.makespan / best
@@ -154,26 +224,49 @@ def bubbles(stage_list: list[int]) -> None:
               f"uniform costs only: median {statistics.median(uni):.3f}, worst {max(uni):.3f}")
 
 
-def exact_gap() -> None:
-    print("\ngreedy vs exact MILP (scipy.optimize.milp / HiGHS, 20 s limit each), uniform costs with O, comm, K=1")
-    print(f"{'S':>2} {'D':>2} {'M':>2} {'failed':>10} {'limit':>5} {'greedy':>8} {'exact':>8} {'proven':>6} "
-          f"{'dual bd':>8} {'gap':>6} {'secs':>5}")
-    gaps = []
+def exact_gap(time_limit: float) -> None:
+    print(f"\nexact solvers on the same instances, {time_limit:g} s limit each: OR-Tools CP-SAT (2 workers) vs HiGHS "
+          "(scipy.optimize.milp); both warm-started from / bounded by the greedy plan (search off), K=1")
+    print(f"{'S':>2} {'D':>2} {'M':>2} {'failed':>16} {'limit':>5} {'greedy':>8} | {'CP-SAT':>8} {'proven':>6} "
+          f"{'bound':>8} {'s':>5} | {'HiGHS':>8} {'proven':>6} {'bound':>8} {'s':>5}")
+    tally = {"cp-sat": [0, 0.0], "highs": [0, 0.0]}
     for S, D, M, failed, limit in ((2, 1, 4, [], 2), (2, 2, 2, [(0, 1)], None), (2, 2, 3, [(1, 0)], 2),
                                    (3, 1, 3, [], 2), (3, 2, 2, [(1, 1)], 2), (3, 2, 3, [(0, 2)], 3),
-                                   (3, 2, 4, [(1, 1)], 3), (3, 2, 4, [], 3)):
+                                   (3, 2, 4, [(1, 1)], 3), (3, 3, 4, [(0, 0)], None), (3, 3, 5, [(0, 0), (1, 2)], None),
+                                   (4, 2, 5, [(1, 0)], None)):
         costs = CostModel((1.0,) * S, (1.5,) * S, (0.5,) * S, (0.2,) * S, 0.1)
-        began = time.perf_counter()
-        r = solve_exact(S, D, M, costs, failed, memory_limit=limit, time_limit=20)
-        gaps.append(r.gap)
-        print(f"{S:>2} {D:>2} {M:>2} {str(failed):>10} {str(limit):>5} {r.heuristic_makespan:>8.3f} "
-              f"{r.plan.makespan:>8.3f} {str(r.optimal):>6} {r.dual_bound:>8.3f} {r.gap:>6.3%} "
-              f"{time.perf_counter() - began:>5.1f}")
-    print(f"  greedy / exact - 1: mean {statistics.mean(gaps):.3%}, worst {max(gaps):.3%}")
+        greedy = make_plan(S, D, M, costs, failed, memory_limit=limit, search=0)
+        cells = []
+        for solver in ("cp-sat", "highs"):
+            r = solve_exact(S, D, M, costs, failed, memory_limit=limit, time_limit=time_limit, solver=solver,
+                            greedy=greedy)
+            validate_plan(r.plan)
+            tally[solver][0] += r.optimal
+            tally[solver][1] += r.seconds
+            cells.append(f"{r.plan.makespan:>8.3f} {str(r.optimal):>6} {r.dual_bound:>8.3f} {r.seconds:>5.1f}")
+        print(f"{S:>2} {D:>2} {M:>2} {str(failed):>16} {str(limit):>5} {greedy.makespan:>8.3f} | {cells[0]} | {cells[1]}",
+              flush=True)
+    for solver, (count, secs) in tally.items():
+        print(f"  {solver}: {count} of 10 proven optimal, {secs:.1f} s in all")
+
+
+BIG = ["--stages", "16", "--pipelines", "8", "--microbatches", "64", "--iterations", "2", "--costs", "1,1,1,0.3,0.05",
+       "--fail", "0:3", "--fail", "5:3", "--fail", "2:11", "--json"]
 
 
 def speed() -> None:
-    print("\nplanner speed")
+    print("\nplanner speed (CPU seconds are what the planner costs; wall seconds also count the other jobs sharing "
+          "the machine)")
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        began = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "ds_recycle.cli", "plan", *BIG, "/tmp/ds-recycle-bench-plan.json"],
+                       check=True, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - began
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        print(f"  ds-recycle plan {' '.join(BIG)} FILE (end to end, a new process): {wall:.2f} s wall, {cpu:.2f} s "
+              f"CPU (target < 1 s; load average {os.getloadavg()[0]:.1f})")
     costs = uniform(16)
     failed = [(0, 0), (1, 8), (2, 15)]
     for label, variants, limit in (("default (one greedy variant at this size)", None, None),
@@ -181,15 +274,14 @@ def speed() -> None:
                                    ("all six greedy variants", 6, None)):
         began, cpu = time.perf_counter(), time.process_time()
         make_plan(16, 8, 64, costs, failed, iterations=K, variants=variants, memory_limit=limit)
-        print(f"  S=16 D=8 M=64 K=2, three failures, {label}: {time.perf_counter() - began:.2f} s wall, "
-              f"{time.process_time() - cpu:.2f} s CPU (target < 1 s)")
+        print(f"  make_plan S=16 D=8 M=64 K=2, three failures, {label}: {time.perf_counter() - began:.2f} s wall, "
+              f"{time.process_time() - cpu:.2f} s CPU")
     cache = PlanCache(8, 8, 32, uniform(8), iterations=K)
     began, cpu = time.perf_counter(), time.process_time()
     count = cache.precompute(2)
     print(f"  precompute every single and double failure, S=8 D=8 M=32 K=2: {count} plans, "
           f"{time.perf_counter() - began:.1f} s wall, {time.process_time() - cpu:.1f} s CPU, one process "
-          f"(target < 60 s on 2 cores)")
-    print(f"  (load average while measuring: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+          f"(target < 60 s on 2 cores; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     began = time.perf_counter()
     for _ in range(1000):
         cache.time_per_iteration([(5, 3), (2, 6)])
@@ -202,23 +294,35 @@ def speed() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stages", type=int, action="append", help="only these S (repeatable)")
-    parser.add_argument("--skip", action="append", default=[], choices=["quality", "bubbles", "exact", "speed"])
+    parser.add_argument("--stages", type=int, action="append", help="quality grid: only these S (repeatable)")
+    parser.add_argument("--only", action="append", choices=SECTIONS, help="run only these sections (repeatable)")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per exact solve (default 10)")
     args = parser.parse_args()
     stage_list = args.stages or [4, 8, 16]
+    sections = args.only or list(SECTIONS)
     print(f"# ds_recycle planner benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"# {platform.node()} {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}")
+          f"Python {platform.python_version()}, OR-Tools {_ortools_version()}, load average {os.getloadavg()[0]:.1f}")
     print(f"# command: PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/planner.py {' '.join(sys.argv[1:])}")
-    if "quality" not in args.skip:
+    if "suite" in sections:
+        suite(args.time_limit)
+    if "quality" in sections:
         print(HEADER)
         summarize(quality_rows(stage_list))
-    if "bubbles" not in args.skip:
+    if "bubbles" in sections:
         bubbles(stage_list)
-    if "exact" not in args.skip:
-        exact_gap()
-    if "speed" not in args.skip:
+    if "exact" in sections:
+        exact_gap(args.time_limit)
+    if "speed" in sections:
         speed()
+
+
+SECTIONS = ("suite", "quality", "bubbles", "exact", "speed")
+
+
+def _ortools_version() -> str:
+    from importlib.metadata import version
+    return version("ortools")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError, StageLostError
 from ds_recycle.plan.ops import Worker
 
-__all__ = ["lower_bound", "routed_lower_bound", "round_trip_bound", "best_possible", "failures_per_stage",
-           "check_shape"]
+__all__ = ["lower_bound", "routed_lower_bound", "round_trip_bound", "critical_path_bound", "stage_spans",
+           "best_lower_bound",
+           "best_possible", "failures_per_stage", "check_shape"]
 
 
 def check_shape(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int = 1) -> None:
@@ -87,6 +88,61 @@ def round_trip_bound(stages: int, pipelines: int, microbatches: int, costs: Cost
     return iterations * (trip + n0 * (costs.B[0] + costs.W[0]) + costs.O[0])
 
 
+def critical_path_bound(stages: int, pipelines: int, microbatches: int, costs: CostModel,
+                        failed: Iterable[Worker] = (), iterations: int = 1, *, optimizer: str = "staggered",
+                        memory_limit: int | None = None) -> float:
+    """Per-stage critical paths: the busiest worker of each stage, its first and last micro-batch's round trips.
+
+    With ``n_s = ceil(D*M/(D - f_s))`` micro-batches on the busiest live worker of stage s (each iteration),
+    ``head_s = sum_{j<s}(F_j + comm)`` and ``tail_s = sum_{j>s}(F_j + B_j + 2*comm)`` (from the end of an F
+    at stage s to the earliest start of its B there), one iteration of that worker, from its first F to its
+    O, lasts at least the largest of
+
+    * ``n_s * (F_s + B_s + W_s)`` (all its work),
+    * ``F_s + tail_s + n_s * (B_s + W_s)`` (no B before the first F's round trip),
+    * ``n_s * F_s + tail_s + B_s + W_s`` (the last F's round trip, then its B and W),
+    * with a memory limit L < n_s: ``F_s + tail_s + (n_s - L) * F_s + n_s * (B_s + W_s)`` (nothing is freed
+      before the first W, which follows the first F's round trip, so at most L F run before it).
+
+    Staggered optimizer: ``max_s [head_s + K * (that + O_s)]``. Synchronous: every stage waits for the
+    slowest before the common O, and iteration k+1 starts over from stage 0, so
+    ``K * max_s [head_s + that] + (K - 1) * O_0 + max_s O_s``. The round-trip bound is the second line at s=0.
+    """
+    check_shape(stages, pipelines, microbatches, costs, iterations)
+    head, span = stage_spans(stages, pipelines, microbatches, costs, failed, memory_limit)
+    if optimizer == "synchronous":
+        return (iterations * max(head[s] + span[s] for s in range(stages))
+                + (iterations - 1) * costs.O[0] + max(costs.O))
+    return max(head[s] + iterations * (span[s] + costs.O[s]) for s in range(stages))
+
+
+def stage_spans(stages: int, pipelines: int, microbatches: int, costs: CostModel, failed: Iterable[Worker] = (),
+                memory_limit: int | None = None) -> tuple[list[float], list[float]]:
+    """``(head_s, span_s)`` of :func:`critical_path_bound`: the earliest first op of stage s, and the least time
+    from the first F of an iteration to the O on the busiest live worker of stage s."""
+    f = failures_per_stage(failed, stages, pipelines)
+    F, B, W, comm = costs.F, costs.B, costs.W, costs.comm
+    head = [sum(F[j] + comm for j in range(s)) for s in range(stages)]
+    tail = [sum(F[j] + B[j] + 2 * comm for j in range(s + 1, stages)) for s in range(stages)]
+    span = []
+    for s in range(stages):
+        n = math.ceil(pipelines * microbatches / (pipelines - f[s]))
+        span.append(max(n * costs.work(s), F[s] + tail[s] + n * (B[s] + W[s]), n * F[s] + tail[s] + B[s] + W[s]))
+        if memory_limit is not None and memory_limit < n:
+            span[-1] = max(span[-1], F[s] + tail[s] + (n - memory_limit) * F[s] + n * (B[s] + W[s]))
+    return head, span
+
+
+def best_lower_bound(stages: int, pipelines: int, microbatches: int, costs: CostModel,
+                     failed: Iterable[Worker] = (), iterations: int = 1, *, optimizer: str = "staggered",
+                     memory_limit: int | None = None) -> float:
+    """The tightest of the bounds above for plans that keep a micro-batch on one worker every iteration."""
+    return max(routed_lower_bound(stages, pipelines, microbatches, costs, failed, iterations),
+               round_trip_bound(stages, pipelines, microbatches, costs, failed, iterations),
+               critical_path_bound(stages, pipelines, microbatches, costs, failed, iterations, optimizer=optimizer,
+                                   memory_limit=memory_limit))
+
+
 def best_possible(stages: int, pipelines: int, microbatches: int, costs: CostModel,
                   failed: Iterable[Worker] = (), iterations: int = 1, *, optimizer: str = "staggered",
                   memory_limit: int | None = None) -> float:
@@ -95,8 +151,8 @@ def best_possible(stages: int, pipelines: int, microbatches: int, costs: CostMod
     "Best failure-free plan" is the best the planner finds without failures (zero-bubble and adaptive
     schedules, same optimizer and memory limit), so the figure is as good as the planner's own.
     """
-    from ds_recycle.plan.schedules import best_failure_free
+    from ds_recycle.plan.schedules import best_failure_free_time
     bound = lower_bound(stages, pipelines, microbatches, costs, failed, iterations)
-    free = best_failure_free(stages, pipelines, microbatches, costs, iterations=iterations,
+    free = best_failure_free_time(stages, pipelines, microbatches, costs, iterations=iterations,
                              optimizer=optimizer, memory_limit=memory_limit)
-    return max(bound, free.makespan)
+    return max(bound, free)

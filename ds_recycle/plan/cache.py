@@ -12,6 +12,7 @@ of the failed pipelines. ``{(3, 1), (0, 2)}`` and ``{(1, 1), (2, 2)}`` share the
 """
 from __future__ import annotations
 
+import gc
 import gzip
 import itertools
 import json
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ds_recycle.plan._gc import gc_paused
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError
 from ds_recycle.plan.ops import Worker
@@ -75,7 +77,7 @@ class PlanCache:
 
         The renamed plan is kept too, so asking again for the same set is a dictionary lookup.
         """
-        exact = frozenset(map(tuple, failed))
+        exact = frozenset((int(p), int(s)) for p, s in failed)
         hit = self._renamed.get(exact)
         if hit is not None:
             return hit
@@ -108,8 +110,13 @@ class PlanCache:
     def precompute(self, max_failures: int = 2) -> int:
         """Make the plan of every failure set of up to ``max_failures`` workers; returns how many distinct."""
         keys = self.keys_up_to(max_failures)
-        for key in keys:
-            self._plan(key)
+        with gc_paused():
+            for key in keys:
+                self._plan(key)
+        if gc.isenabled():
+            # the collector's first full pass over the new plans (~10^6 objects, about a second) happens now,
+            # ahead of time, not in the first lookup after a failure; it then waits for as many new objects again
+            gc.collect()
         return len(keys)
 
     def _make(self, key: FailureKey) -> Plan:

@@ -12,17 +12,17 @@ plan's ratio to it, and the ratio to the failure-free plan of the same schedule 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from ds_recycle.plan.bounds import best_possible, lower_bound
+from ds_recycle.plan._gc import gc_paused
+from ds_recycle.plan.bounds import best_lower_bound, lower_bound
 from ds_recycle.plan.chart import timeline
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError
 from ds_recycle.plan.ops import Worker
-from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan
-from ds_recycle.plan.schedules import make_plan
+from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan, write_plan_json
+from ds_recycle.plan.schedules import best_failure_free_time, failure_free_time, make_plan
 from ds_recycle.plan.simulator import busy_time, peak_memory
 from ds_recycle.plan.validate import validate_plan
 
@@ -47,7 +47,7 @@ def parse_costs(text: str) -> tuple[float, float, float, float, float]:
     if len(values) != 5 or any(not v >= 0 for v in values):
         raise argparse.ArgumentTypeError(f"--costs {text!r}: expected five numbers >= 0, F,B,W,O,comm "
                                          f"(e.g. 1,1,1,0.5,0.05)")
-    return values  # type: ignore[return-value]
+    return values
 
 
 def _positive(name: str):
@@ -95,6 +95,11 @@ def _costs(args: argparse.Namespace) -> CostModel:
 
 def run(args: argparse.Namespace) -> int:
     """Make the plan, check it, print its figures and write the files asked for."""
+    with gc_paused():  # ~10^5 acyclic objects: the cyclic collector would only re-scan them (see _gc)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         costs = _costs(args)
         optimizer = args.optimizer or ("synchronous" if args.schedule == "1f1b" else "staggered")
@@ -102,20 +107,24 @@ def run(args: argparse.Namespace) -> int:
                       memory_limit=args.memory_limit)
         plan = make_plan(args.stages, args.pipelines, args.microbatches, costs, args.fail, **kwargs)
         validate_plan(plan)
-        free = make_plan(args.stages, args.pipelines, args.microbatches, costs, (), **kwargs)
+        free = failure_free_time(args.stages, args.pipelines, args.microbatches, costs, **kwargs)
+        best_free = best_failure_free_time(args.stages, args.pipelines, args.microbatches, costs,
+                                           iterations=args.iterations, optimizer=optimizer,
+                                           memory_limit=args.memory_limit)
     except PlanError as exc:
         print(f"ds-recycle plan: error: {exc}", file=sys.stderr)
         return 2
-    _report(plan, free, costs, args)
+    _report(plan, free, best_free, costs, args)
     _write(plan, args)
     return 0
 
 
-def _report(plan: Plan, free: Plan, costs: CostModel, args: argparse.Namespace) -> None:
+def _report(plan: Plan, free: float, best_free: float, costs: CostModel, args: argparse.Namespace) -> None:
     K = plan.iterations
     bound = lower_bound(plan.stages, plan.pipelines, plan.microbatches, costs, plan.failed, K)
-    best = best_possible(plan.stages, plan.pipelines, plan.microbatches, costs, plan.failed, K,
-                         optimizer=plan.optimizer, memory_limit=args.memory_limit)
+    tight = best_lower_bound(plan.stages, plan.pipelines, plan.microbatches, costs, plan.failed, K,
+                             optimizer=plan.optimizer, memory_limit=args.memory_limit)
+    best = max(bound, best_free)
     bubble = 1 - busy_time(plan.workers) / (len(plan.workers) * plan.makespan)
     failed = " ".join(f"{p}:{s}" for p, s in sorted(plan.failed)) or "none"
     print(f"{plan.schedule} plan: S={plan.stages} D={plan.pipelines} M={plan.microbatches} K={K}, "
@@ -124,16 +133,18 @@ def _report(plan: Plan, free: Plan, costs: CostModel, args: argparse.Namespace) 
     print(f"time per iteration          {plan.time_per_iteration:.6g}")
     print(f"bubble fraction             {bubble:.4f}")
     print(f"lower bound per iteration   {bound / K:.6g}   plan / bound = {plan.makespan / bound:.4f}")
-    print(f"failure-free per iteration  {free.time_per_iteration:.6g}   plan / failure-free = "
-          f"{plan.makespan / free.makespan:.4f}   (throughput kept {free.makespan / plan.makespan:.4f})")
+    print(f"failure-free per iteration  {free / K:.6g}   plan / failure-free = "
+          f"{plan.makespan / free:.4f}   (throughput kept {free / plan.makespan:.4f})")
     print(f"best possible per iteration {best / K:.6g}   plan / best possible = {plan.makespan / best:.4f}")
+    print(f"tightest bound per iteration {tight / K:.6g}   plan / max(it, failure-free) = "
+          f"{plan.makespan / max(tight, best_free):.4f}")
     print(f"peak memory (micro-batches) {max(peak_memory(ops) for ops in plan.workers.values())}   "
           f"re-routed (worker, micro-batch) pairs {len(plan.rerouted())}")
 
 
 def _write(plan: Plan, args: argparse.Namespace) -> None:
     if args.json is not None:
-        args.json.write_text(json.dumps(plan.to_json(), indent=1), encoding="utf-8")
+        write_plan_json(plan, args.json)
         print(f"wrote {args.json}")
     if args.png is not None:
         from ds_recycle.plan.draw import draw_plan

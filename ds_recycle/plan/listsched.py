@@ -6,7 +6,8 @@ Each worker, whenever it is free, picks among the ops it can run now, by a :clas
   memory limit and the warm-up cap allow another micro-batch in flight), and W only to fill time in which
   neither is ready, or when memory is full (W frees a micro-batch's activations). With ``fused`` the W
   follows its B at once (DeepSpeed's 1F1B).
-* Within a kind, the lowest micro-batch rank ``index * D + owner`` goes first.
+* Within a kind, the lowest micro-batch rank goes first: ``index * D + owner`` unless the caller gives ranks
+  (the local search of :mod:`search` does).
 * Incoming transfers are consumed in the order each sender sent them (one FIFO queue per sending
   worker), so the order of messages on every worker-to-worker channel is the same at both ends, and a
   worker's order can be run with point-to-point transfers that match by order alone.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ds_recycle.plan.costs import CostModel
@@ -50,6 +52,9 @@ class Policy:
     free_early: bool = False
     """With a memory limit: once the worker is one micro-batch short of it, a pending W goes before B and F
     (it frees room for the next F, so the pipeline keeps being fed)."""
+    fuse_first: bool = False
+    """At the first stage, W right after its B: nothing waits there for the B's output, and running W at once
+    keeps the memory low and a loaded first stage (a failure there) free of W left for the end."""
     alternate: bool = False
     """Once the warm-up cap is reached, strictly alternate B and F (1F1B's order of F and B), with W
     filling the time in which the op due next is not ready: ZB-H1's construction."""
@@ -78,9 +83,9 @@ class _Worker:
 
 def list_schedule(stages: int, pipelines: int, microbatches: int, costs: CostModel, routing: Routing,
                   failed: frozenset[Worker], iterations: int, synchronous: bool,
-                  policy: Policy) -> dict[Worker, tuple[Op, ...]]:
-    """Every live worker's ops, in order, with times."""
-    run = _Pass(stages, pipelines, microbatches, costs, routing, failed, iterations, synchronous, policy)
+                  policy: Policy, rank: Mapping[MicroBatch, int] | None = None) -> dict[Worker, tuple[Op, ...]]:
+    """Every live worker's ops, in order, with times; ``rank``: each micro-batch's priority (lowest first)."""
+    run = _Pass(stages, pipelines, microbatches, costs, routing, failed, iterations, synchronous, policy, rank)
     run.loop()
     unfinished = [w.key for w in run.workers.values() if len(w.ops) != 3 * run.load[w.key] * iterations + iterations]
     if unfinished:
@@ -90,10 +95,17 @@ def list_schedule(stages: int, pipelines: int, microbatches: int, costs: CostMod
 
 class _Pass:
     def __init__(self, stages: int, pipelines: int, microbatches: int, costs: CostModel, routing: Routing,
-                 failed: frozenset[Worker], iterations: int, synchronous: bool, policy: Policy) -> None:
+                 failed: frozenset[Worker], iterations: int, synchronous: bool, policy: Policy,
+                 rank: Mapping[MicroBatch, int] | None = None) -> None:
         self.S, self.D, self.M, self.K = stages, pipelines, microbatches, iterations
+        self.rank = rank if rank is not None else {(o, i): i * pipelines + o for o in range(pipelines)
+                                                   for i in range(microbatches)}
         self.costs, self.routing, self.sync, self.policy = costs, routing, synchronous, policy
         self.mem = _INF if policy.memory_limit is None else policy.memory_limit
+        self.free_early, self.fit_w, self.forward_first = policy.free_early, policy.fit_w, policy.forward_first
+        self.fuse_first = policy.fuse_first
+        self.w_cost = costs.W
+        self.cost = {_F: costs.F, _B: costs.B, _W: costs.W, _O: costs.O}
         self.workers: dict[Worker, _Worker] = {}
         for s in range(stages):
             cap = _INF if policy.warmup is None else max(1, stages - s + policy.warmup)
@@ -117,9 +129,9 @@ class _Pass:
         w.iteration, w.left, w.waiting = k, 3 * self.load[w.key], False
         w.f_left, w.expect = self.load[w.key], None
         if w.stage == 0:
-            mbs = sorted((mb for mb, p in self.routing[0].items() if p == w.key[0]),
-                         key=lambda mb: mb[1] * self.D + mb[0])
-            w.fin[-1] = deque((at, mb[1] * self.D + mb[0], mb, k) for mb in mbs)
+            rank = self.rank
+            mbs = sorted((mb for mb, p in self.routing[0].items() if p == w.key[0]), key=rank.__getitem__)
+            w.fin[-1] = deque((at, rank[mb], mb, k) for mb in mbs)
         self._push(w)
 
     def _push(self, w: _Worker) -> None:
@@ -129,38 +141,49 @@ class _Pass:
         if t < _INF:
             heapq.heappush(self.heap, (t, w.stage, w.key[0], w.version, w))
 
-    def _heads(self, w: _Worker, queues: dict[int, deque]) -> tuple[float, tuple | None, int]:
-        """Earliest-ready head of the iteration, lowest rank on ties; returns (ready, item, sender)."""
-        best: tuple | None = None
-        best_sender, best_ready = -2, _INF
-        for sender, q in queues.items():
-            if q:
-                item = q[0]
-                if item[3] == w.iteration and (item[0], item[1]) < (best_ready, best[1] if best else 0):
-                    best, best_sender, best_ready = item, sender, item[0]
-        return best_ready, best, best_sender
-
     def _decide(self, w: _Worker) -> tuple[float, OpKind | None, int]:
-        """When w next starts an op, which kind, and from which queue."""
+        """When w next starts an op, which kind, and from which queue (the earliest-ready head of this
+        iteration's queues, lowest rank on ties)."""
         if w.waiting:
             return _INF, None, 0
-        expect = w.expect
-        b_ready, _, b_from = self._heads(w, w.bin) if w.bin and expect is not _F else (_INF, None, 0)
-        f_ok = w.fin and w.held < self.mem and w.open < w.f_cap and expect is not _B
-        f_ready, _, f_from = self._heads(w, w.fin) if f_ok else (_INF, None, 0)
-        w_ready = w.free if w.wq else _INF
-        if self.policy.free_early and w.wq and w.held >= self.mem - 1:
-            return w.free, _W, 0
-        if self.policy.fit_w and w.wq and min(b_ready, f_ready) < w.free + self.costs.W[w.stage] - 1e-12:
+        expect, k = w.expect, w.iteration
+        b_ready = f_ready = _INF
+        b_from = f_from = 0
+        if w.bin and expect is not _F:
+            b_rank = 0
+            for sender, q in w.bin.items():
+                if q:
+                    item = q[0]
+                    if item[3] == k and (item[0] < b_ready or (item[0] == b_ready and item[1] < b_rank)):
+                        b_ready, b_rank, b_from = item[0], item[1], sender
+        if w.fin and w.held < self.mem and w.open < w.f_cap and expect is not _B:
+            f_rank = 0
+            for sender, q in w.fin.items():
+                if q:
+                    item = q[0]
+                    if item[3] == k and (item[0] < f_ready or (item[0] == f_ready and item[1] < f_rank)):
+                        f_ready, f_rank, f_from = item[0], item[1], sender
+        free = w.free
+        if w.wq:
+            if self.free_early and w.held >= self.mem - 1:
+                return free, _W, 0
+            w_ready = _INF if self.fit_w and min(b_ready, f_ready) < free + self.w_cost[w.stage] - 1e-12 else free
+        else:
             w_ready = _INF
-        t = max(w.free, min(b_ready, f_ready, w_ready))
+        t = min(b_ready, f_ready, w_ready)
         if t == _INF:
             return _INF, None, 0
-        order = ((f_ready, _F, f_from), (b_ready, _B, b_from)) if self.policy.forward_first else \
-            ((b_ready, _B, b_from), (f_ready, _F, f_from))
-        for ready, kind, sender in order:
-            if ready <= t:
-                return t, kind, sender
+        if t < free:
+            t = free
+        if self.forward_first:
+            if f_ready <= t:
+                return t, _F, f_from
+            if b_ready <= t:
+                return t, _B, b_from
+        elif b_ready <= t:
+            return t, _B, b_from
+        if f_ready <= t:
+            return t, _F, f_from
         return t, _W, 0
 
     def loop(self) -> None:
@@ -179,8 +202,8 @@ class _Pass:
             self._push(w)
 
     def _emit(self, w: _Worker, kind: OpKind, k: int, mb: MicroBatch | None, start: float) -> float:
-        end = start + self.costs.of(kind.value, w.stage)
-        w.ops.append(Op(kind, k, mb, start, end))
+        end = start + self.cost[kind][w.stage]
+        w.ops.append(Op.trusted(kind, k, mb, start, end))
         w.free = end
         return end
 
@@ -188,7 +211,10 @@ class _Pass:
         r = self.workers[(self.routing[table][mb], table)]
         qs = r.fin if queue == "f" else r.bin
         qs.setdefault(sender, deque()).append(item)
-        self._push(r)
+        at, kind, _ = r.decision
+        # the receiver's decision only looks at inputs ready by its start (by the end of a W it would fit in)
+        if at == _INF or item[0] <= at + (self.w_cost[r.stage] if kind is _W else 0.0) + 1e-12:
+            self._push(r)
 
     def _run_f(self, w: _Worker, t: float, item: tuple) -> None:
         _, rank, mb, k = item
@@ -212,7 +238,7 @@ class _Pass:
         w.wq.append((mb, k))
         if self.policy.alternate:
             w.expect = _F if w.f_left > 0 else None
-        if self.policy.fused:
+        if self.policy.fused or (self.fuse_first and w.stage == 0):
             end = self._run_w(w, end)
         if w.stage > 0:
             self._send(w.stage - 1, mb, "b", (end + self.costs.comm, rank, mb, k), w.key[0])

@@ -42,6 +42,10 @@ class OpKind(enum.Enum):
     """Gradient all-reduce over the stage's live workers plus the optimizer step. Synchronizes: every
     live worker of the stage (every worker, with a synchronous optimizer) enters it at the same time."""
 
+    # members are singletons compared by identity: hash them so too (Enum's own hashes the name, in Python,
+    # and plans key dictionaries by kind hundreds of thousands of times)
+    __hash__ = object.__hash__
+
 
 OpKey = tuple[OpKind, int, "MicroBatch | None"]
 """What an op is, without its times: ``(kind, iteration, micro-batch or None for O)``."""
@@ -62,6 +66,15 @@ class Op:
     def __post_init__(self) -> None:
         if (self.mb is None) != (self.kind is OpKind.O):
             raise ValueError(f"op {self.kind.value}: mb={self.mb!r}; only O has no micro-batch")
+
+    @classmethod
+    def trusted(cls, kind: OpKind, iteration: int, mb: MicroBatch | None, start: float, end: float) -> Op:
+        """The same op as ``Op(...)`` without the argument check, for producers that build valid ops by
+        construction (the list scheduler makes tens of thousands per plan)."""
+        op = object.__new__(cls)
+        fields = op.__dict__
+        fields["kind"], fields["iteration"], fields["mb"], fields["start"], fields["end"] = kind, iteration, mb, start, end
+        return op
 
     @property
     def key(self) -> OpKey:

@@ -21,17 +21,20 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from ds_recycle.plan._gc import gc_paused
 from ds_recycle.plan.bounds import check_shape, failures_per_stage
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import DeadlockError, PlanError
 from ds_recycle.plan.listsched import Policy, list_schedule
-from ds_recycle.plan.ops import Worker
+from ds_recycle.plan.ops import Op, Worker
 from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan
-from ds_recycle.plan.routing import route
+from ds_recycle.plan.routing import Routing, route
+from ds_recycle.plan.search import Candidate, improve
 
-__all__ = ["make_plan", "best_failure_free", "ADAPTIVE_VARIANTS", "VARIANTS_BY_SIZE", "policies_for"]
+__all__ = ["make_plan", "best_failure_free", "best_failure_free_time", "failure_free", "failure_free_time",
+           "ADAPTIVE_VARIANTS", "VARIANTS_BY_SIZE", "policies_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +50,22 @@ won 76% of them and was never more than 7.3% (0.44% on average) behind the best 
 VARIANTS_BY_SIZE: tuple[tuple[int, int, int], ...] = ((8_000, 6, 12), (30_000, 3, 4))
 
 
-def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[Policy, ...]:
+#: local search after the variants (adaptive plans of at most SEARCH_OPS_MOST ops; the size of a failure-free plan
+#: is that of all its pipelines): evaluations = min(SEARCH_MOST, SEARCH_OPS // ops in the plan)
+SEARCH_OPS = 100_000
+SEARCH_MOST = 150
+SEARCH_OPS_MOST = 8_000
+
+
+def policies_for(schedule: str, stages: int, memory_limit: int | None,
+                 first_stage_failed: bool = False) -> tuple[Policy, ...]:
     """The greedy variants a schedule tries, in order; the best is kept.
 
     Under a memory limit the adaptive planner also tries :attr:`Policy.free_early` versions, ordered by how
-    often they won over the benchmark grid with a limit (S in {4, 8}; 252 cases).
+    often they won over the benchmark grid with a limit (S in {4, 8}; 252 cases). When the first stage lost a
+    worker, each adaptive variant is followed by its :attr:`Policy.fuse_first` version: there the survivors
+    carry the most work and are the bottleneck, and W at once after B keeps them from idling while W pile up
+    (on the odd-shape suite: 71.4 -> 66.4 for S=5, D=3, M=6 with heavier end stages, the bound being 65.8).
     """
     if schedule == "1f1b":
         return (Policy(fused=True, warmup=0, memory_limit=memory_limit),)
@@ -60,11 +74,13 @@ def policies_for(schedule: str, stages: int, memory_limit: int | None) -> tuple[
         return tuple(Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True)
                      for w, ff in ((0, False), (0, True), (1, False)))
     base = [Policy(warmup=w, forward_first=ff, memory_limit=limit, fit_w=True) for w, ff in ADAPTIVE_VARIANTS]
-    if limit is None:
-        return tuple(base)
-    early = [dataclasses.replace(p, free_early=True) for p in base]
-    # base[4] is ZB-H1's warm-up cap (S - s): under a limit it often wins on deep pipelines (S = 16)
-    return tuple([base[0], early[0], base[4], early[1], base[2], base[3], base[1], base[5]] + early[2:])
+    if limit is not None:
+        early = [dataclasses.replace(p, free_early=True) for p in base]
+        # base[4] is ZB-H1's warm-up cap (S - s): under a limit it often wins on deep pipelines (S = 16)
+        base = [base[0], early[0], base[4], early[1], base[2], base[3], base[1], base[5]] + early[2:]
+    if first_stage_failed:
+        base = [q for p in base for q in (p, dataclasses.replace(p, fuse_first=True))]
+    return tuple(base)
 
 
 def _plan_memory_limit(schedule: str, stages: int, memory_limit: int | None) -> int | None:
@@ -76,16 +92,63 @@ def _plan_memory_limit(schedule: str, stages: int, memory_limit: int | None) -> 
 def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
               failed: Iterable[Worker] = (), *, iterations: int = 1, schedule: str = "adaptive",
               optimizer: str = "staggered", memory_limit: int | None = None, variants: int | None = None,
-              time_budget: float | None = None) -> Plan:
+              time_budget: float | None = None, search: int | None = None) -> Plan:
     """The plan of ``schedule`` for this shape and failure set (see the module docstring).
 
     ``variants``: how many greedy variants to try (default: all of them (six, twelve under a memory
-    limit) up to 8,000 ops, three (four) up to 30,000, else one (two); see :data:`VARIANTS_BY_SIZE`). ``time_budget``
+    limit, twice that with a first-stage failure) up to 8,000 ops, three (four) up to 30,000, else one (two);
+    see :data:`VARIANTS_BY_SIZE` and :func:`policies_for`). ``search``: local-search evaluations after them
+    (default ``min(SEARCH_MOST, SEARCH_OPS // ops)`` for adaptive plans of at most ``SEARCH_OPS_MOST`` ops,
+    else none; see :mod:`search`). ``time_budget``
     (seconds) stops trying further variants once spent (the
     first always runs); it makes the result depend on the machine's speed, so caches and tests leave it
     unset.
     Raises :class:`StageLostError` when every worker of some stage failed, :class:`PlanError` on bad input.
     """
+    _check_arguments(stages, pipelines, microbatches, costs, iterations, schedule, optimizer, memory_limit)
+    with gc_paused():
+        return _make_plan(stages, pipelines, microbatches, costs, frozenset((int(p), int(s)) for p, s in failed),
+                          iterations, schedule, optimizer, memory_limit, variants, time_budget, search)
+
+
+def _make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel, failed: frozenset[Worker],
+               iterations: int, schedule: str, optimizer: str, memory_limit: int | None, variants: int | None,
+               time_budget: float | None, search: int | None, copy: bool = True) -> Plan:
+    """make_plan after its checks; ``copy=False``: a failure-free plan of one pipeline, sized for all of them."""
+    failures_per_stage(failed, stages, pipelines)
+    ops_count = 3 * stages * pipelines * microbatches * iterations
+    first_failed = any(s == 0 for _, s in failed)
+    if variants is None:
+        limited = memory_limit is not None
+        variants = next((n[limited] for most, *n in VARIANTS_BY_SIZE if ops_count <= most), 1 + limited)
+        if first_failed and ops_count <= VARIANTS_BY_SIZE[0][0]:
+            variants *= 2  # each variant with and without the fused first stage: small plans are cheap
+    if search is None:
+        search = 0 if schedule != "adaptive" or ops_count > SEARCH_OPS_MOST else \
+            min(SEARCH_MOST, SEARCH_OPS // ops_count)
+    if not failed and pipelines > 1:  # pipelines never meet but in O, and are alike: plan one, copy it
+        one = _make_plan(stages, 1, microbatches, costs, failed, iterations, schedule, optimizer, memory_limit,
+                         variants, time_budget, search)
+        return _replicate(one, pipelines) if copy else one
+    routing = route(stages, pipelines, microbatches, failed)
+    sync = optimizer == "synchronous"
+    policies = policies_for(schedule, stages, memory_limit, first_stage_failed=first_failed)
+    span, workers, policy = _best_variant(stages, pipelines, microbatches, costs, routing, failed, iterations, sync,
+                                          policies[:max(1, variants)], time_budget)
+    if search > 0:
+        rank = {(o, i): i * pipelines + o for o in range(pipelines) for i in range(microbatches)}
+        found = improve(Candidate(routing, rank, workers, span), stages, pipelines, microbatches, costs, failed,
+                        iterations, sync, policy, search)
+        span, workers = found.makespan, found.workers
+    logger.debug("plan S=%d D=%d M=%d K=%d failed=%s %s: makespan %.4g", stages, pipelines, microbatches,
+                 iterations, sorted(failed), schedule, span)
+    return Plan(stages, pipelines, microbatches, iterations, optimizer,
+                _plan_memory_limit(schedule, stages, memory_limit), costs, failed, dict(sorted(workers.items())),
+                schedule)
+
+
+def _check_arguments(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int,
+                     schedule: str, optimizer: str, memory_limit: int | None) -> None:
     check_shape(stages, pipelines, microbatches, costs, iterations)
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule = {schedule!r}: use one of {SCHEDULES}")
@@ -93,45 +156,82 @@ def make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
         raise PlanError(f"optimizer = {optimizer!r}: use one of {OPTIMIZERS}")
     if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit < 1):
         raise PlanError(f"memory_limit = {memory_limit!r}: use a positive number of micro-batches or None")
-    failed = frozenset((int(p), int(s)) for p, s in failed)
-    failures_per_stage(failed, stages, pipelines)
-    routing = route(stages, pipelines, microbatches, failed)
+
+
+def _best_variant(stages: int, pipelines: int, microbatches: int, costs: CostModel, routing: Routing,
+                  failed: frozenset[Worker], iterations: int, sync: bool, policies: Sequence[Policy],
+                  time_budget: float | None) -> tuple[float, dict[Worker, tuple[Op, ...]], Policy]:
+    """The smallest makespan of the greedy variants, its plan and its policy."""
     began, best = time.perf_counter(), None
-    if variants is None:
-        ops = 3 * stages * pipelines * microbatches * iterations
-        limited = memory_limit is not None
-        variants = next((n[limited] for most, *n in VARIANTS_BY_SIZE if ops <= most), 1 + limited)
     stalled: list[str] = []
-    for policy in policies_for(schedule, stages, memory_limit)[:max(1, variants)]:
+    for policy in policies:
         try:
-            workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations,
-                                    optimizer == "synchronous", policy)
+            workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations, sync,
+                                    policy)
         except DeadlockError as exc:  # a variant that cannot finish under the memory limit: try the next
             logger.warning("%s", exc)
             stalled.append(str(exc))
             continue
         span = max(ops[-1].end for ops in workers.values())
         if best is None or span < best[0] - 1e-12:
-            best = (span, workers)
+            best = (span, workers, policy)
         if time_budget is not None and time.perf_counter() - began > time_budget:
             break
     if best is None:
-        raise PlanError(f"no {schedule} plan fits memory_limit={memory_limit}: {stalled[0]}. "
-                        f"Fix: raise --memory-limit")
-    logger.debug("plan S=%d D=%d M=%d K=%d failed=%s %s: makespan %.4g", stages, pipelines, microbatches,
-                 iterations, sorted(failed), schedule, best[0])
-    return Plan(stages, pipelines, microbatches, iterations, optimizer,
-                _plan_memory_limit(schedule, stages, memory_limit), costs, failed, dict(sorted(best[1].items())),
-                schedule)
+        limit = policies[0].memory_limit
+        raise PlanError(f"no plan fits memory_limit={limit}: {stalled[0]}. Fix: raise --memory-limit")
+    return best
 
 
-@functools.lru_cache(maxsize=32)
+def _replicate(one: Plan, pipelines: int) -> Plan:
+    """The failure-free plan of ``pipelines`` pipelines from the plan of one: pipeline p runs its own copy."""
+    workers = {(p, s): tuple(Op.trusted(op.kind, op.iteration, None if op.mb is None else (p, op.mb[1]),
+                                        op.start, op.end) for op in ops)
+               for p in range(pipelines) for (_, s), ops in one.workers.items()}
+    return Plan(one.stages, pipelines, one.microbatches, one.iterations, one.optimizer, one.memory_limit, one.costs,
+                frozenset(), dict(sorted(workers.items())), one.schedule)
+
+
 def best_failure_free(stages: int, pipelines: int, microbatches: int, costs: CostModel, *,
                       iterations: int = 1, optimizer: str = "staggered",
                       memory_limit: int | None = None) -> Plan:
     """The failure-free plan with the smallest makespan among the zero-bubble and adaptive schedules."""
-    plans = [make_plan(stages, pipelines, microbatches, costs, iterations=iterations, schedule=name,
-                       optimizer=optimizer, memory_limit=memory_limit) for name in ("zb-h1", "adaptive")]
+    return _replicate(_best_one(stages, pipelines, microbatches, costs, iterations, optimizer, memory_limit),
+                      pipelines)
+
+
+def best_failure_free_time(stages: int, pipelines: int, microbatches: int, costs: CostModel, *,
+                           iterations: int = 1, optimizer: str = "staggered", memory_limit: int | None = None) -> float:
+    """The makespan of :func:`best_failure_free` (without building its copies of the pipeline)."""
+    return _best_one(stages, pipelines, microbatches, costs, iterations, optimizer, memory_limit).makespan
+
+
+def failure_free(stages: int, pipelines: int, microbatches: int, costs: CostModel, *, iterations: int = 1,
+                 schedule: str = "adaptive", optimizer: str = "staggered", memory_limit: int | None = None) -> Plan:
+    """``make_plan`` without failures; the one-pipeline plan it copies is remembered."""
+    return _replicate(_one(stages, pipelines, microbatches, costs, iterations, schedule, optimizer, memory_limit),
+                      pipelines)
+
+
+def failure_free_time(stages: int, pipelines: int, microbatches: int, costs: CostModel, *, iterations: int = 1,
+                      schedule: str = "adaptive", optimizer: str = "staggered",
+                      memory_limit: int | None = None) -> float:
+    """The makespan of :func:`failure_free`: the reference every report of a failure set compares to."""
+    return _one(stages, pipelines, microbatches, costs, iterations, schedule, optimizer, memory_limit).makespan
+
+
+@functools.lru_cache(maxsize=64)
+def _one(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int, schedule: str,
+         optimizer: str, memory_limit: int | None) -> Plan:
+    """The one-pipeline plan that :func:`make_plan` copies for ``pipelines`` failure-free pipelines."""
+    _check_arguments(stages, pipelines, microbatches, costs, iterations, schedule, optimizer, memory_limit)
+    with gc_paused():
+        return _make_plan(stages, pipelines, microbatches, costs, frozenset(), iterations, schedule, optimizer,
+                          memory_limit, None, None, None, copy=False)
+
+
+def _best_one(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int, optimizer: str,
+              memory_limit: int | None) -> Plan:
+    plans = [_one(stages, pipelines, microbatches, costs, iterations, name, optimizer, memory_limit)
+             for name in ("zb-h1", "adaptive")]
     return min(plans, key=lambda p: p.makespan)
-
-

@@ -69,7 +69,7 @@ def _check_ops_once(plan: Plan) -> dict[tuple[OpKind, int, int, tuple[int, int]]
         for i, op in enumerate(ops):
             if op.kind is _O:
                 continue
-            o, idx = op.mb
+            o, idx = op.mb  # type: ignore[misc]  # not O: has a micro-batch
             if not (0 <= op.iteration < plan.iterations and 0 <= o < plan.pipelines
                     and 0 <= idx < plan.microbatches):
                 _fail(plan, 1, "iteration or micro-batch outside the plan's shape", w, i)
@@ -82,27 +82,31 @@ def _check_ops_once(plan: Plan) -> dict[tuple[OpKind, int, int, tuple[int, int]]
         for s in range(plan.stages):
             for o in range(plan.pipelines):
                 for idx in range(plan.microbatches):
-                    _check_triple(plan, where, k, s, (o, idx))
+                    mb = (o, idx)
+                    f, b, wh = where.get((_F, s, k, mb)), where.get((_B, s, k, mb)), where.get((_W, s, k, mb))
+                    if f is None or b is None or wh is None or not f[0] == b[0] == wh[0]:
+                        _check_triple(plan, where, k, s, mb)
     return where
 
 
 def _check_triple(plan: Plan, where: dict, k: int, s: int, mb: tuple[int, int]) -> None:
+    """Fail with the reason the F, B and W of ``mb`` at stage ``s`` are not one worker's (called on a miss)."""
     homes = []
     for kind in (_F, _B, _W):
         if (kind, s, k, mb) not in where:
             _fail(plan, 1, f"no {kind.value} of micro-batch {mb} at stage {s} in iteration {k}")
         homes.append(where[(kind, s, k, mb)])
-    if len({h[0] for h in homes}) != 1:
-        _fail(plan, 1, f"F, B, W of {mb} at stage {s} run on different workers {[h[0] for h in homes]}",
-              *homes[1])
+    _fail(plan, 1, f"F, B, W of {mb} at stage {s} run on different workers {[h[0] for h in homes]}", *homes[1])
 
 
 def _check_durations(plan: Plan, eps: float) -> None:
+    table = {kind: getattr(plan.costs, kind.value) for kind in OpKind}
     for w, ops in plan.workers.items():
+        s = w[1]
         for i, op in enumerate(ops):
-            cost = plan.costs.of(op.kind.value, w[1])
+            cost = table[op.kind][s]
             if abs((op.end - op.start) - cost) > eps:
-                _fail(plan, 2, f"lasts {op.end - op.start} but costs.{op.kind.value}[{w[1]}] = {cost}", w, i)
+                _fail(plan, 2, f"lasts {op.end - op.start} but costs.{op.kind.value}[{s}] = {cost}", w, i)
 
 
 def _check_order(plan: Plan, eps: float) -> None:
@@ -198,7 +202,7 @@ def check_channels(plan: Plan) -> None:
         for w, ops in plan.workers.items():
             s = w[1]
             for op in ops:
-                if op.kind is not kind:
+                if op.kind is not kind or op.mb is None:
                     continue
                 if 0 <= s + step < plan.stages:
                     sent[(w, plan.worker_of(s + step, op.mb))].append((op.iteration, op.mb))

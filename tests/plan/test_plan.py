@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from ds_recycle.plan import CostModel, Plan, PlanError, StageLostError, make_plan, validate_plan
-from ds_recycle.plan.ops import OpKind
+from ds_recycle.plan import CostModel, Plan, PlanError, StageLostError, make_plan, validate_document, validate_plan
+from ds_recycle.plan.ops import Op, OpKind
+from ds_recycle.plan.plan import write_plan_json
 
 
 def test_json_round_trip(small_plan: Plan) -> None:
@@ -83,3 +84,17 @@ def test_planner_imports_neither_torch_nor_deepspeed() -> None:
     code = ("import sys, ds_recycle.plan, ds_recycle.plan.cli, ds_recycle.plan.exact, ds_recycle.plan.trace; "
             "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_write_plan_json_is_the_document(small_plan: Plan, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    write_plan_json(small_plan, path)
+    doc = json.loads(path.read_text())
+    assert doc == small_plan.to_json()
+    validate_document(doc)
+
+
+def test_trusted_op_is_an_op() -> None:
+    fast = Op.trusted(OpKind.B, 1, (2, 3), 1.5, 2.5)
+    assert fast == Op(OpKind.B, 1, (2, 3), 1.5, 2.5) and hash(fast) == hash(Op(OpKind.B, 1, (2, 3), 1.5, 2.5))
+    assert str(fast) == "B2.3@1" and {OpKind.B: 1}[OpKind("B")] == 1

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from ds_recycle.plan import CostModel, lower_bound, make_plan, simulate, validate_plan
-from ds_recycle.plan.bounds import routed_lower_bound
+from ds_recycle.plan.bounds import best_lower_bound, routed_lower_bound
 from ds_recycle.plan.validate import check_channels
 
 
@@ -38,6 +38,9 @@ def test_random_plans_are_valid_and_above_the_bound(seed: int) -> None:
     bound = lower_bound(stages, pipelines, microbatches, costs, failed, kwargs["iterations"])
     routed = routed_lower_bound(stages, pipelines, microbatches, costs, failed, kwargs["iterations"])
     assert plan.makespan >= routed * (1 - 1e-12) and routed >= bound * (1 - 1e-12)
+    tight = best_lower_bound(stages, pipelines, microbatches, costs, failed, kwargs["iterations"],
+                             optimizer=kwargs["optimizer"], memory_limit=plan.memory_limit)
+    assert plan.makespan >= tight * (1 - 1e-12) and tight >= routed * (1 - 1e-12)
     sim = simulate(plan.workers, costs, optimizer=plan.optimizer, fused_backward=plan.schedule == "1f1b")
     assert sim.makespan == pytest.approx(plan.makespan)
     if plan.memory_limit is not None:

@@ -5,6 +5,7 @@ import pytest
 
 from ds_recycle.plan import CostModel, lower_bound, make_plan, simulate, validate_plan
 from ds_recycle.plan.ops import OpKind
+from ds_recycle.plan.schedules import failure_free_time, policies_for
 from ds_recycle.plan.validate import check_channels
 
 # (stages, microbatches): even, odd, fewer micro-batches than stages, many micro-batches
@@ -76,3 +77,49 @@ def test_staggered_optimizer_staggers() -> None:
     assert len({next(iter(v)) for v in o_starts.values()}) > 1   # at different times per stage
     sync = make_plan(4, 2, 8, costs, [(1, 2)], iterations=2, optimizer="synchronous")
     assert sync.makespan >= plan.makespan
+
+
+@pytest.mark.parametrize("schedule, optimizer", [("adaptive", "staggered"), ("1f1b", "synchronous")])
+def test_failure_free_pipelines_are_copies_of_one(schedule: str, optimizer: str) -> None:
+    costs = CostModel((1.2, 1.0, 1.4), (1.2, 1.0, 1.5), (0.6, 0.6, 0.8), (0.5,) * 3, 0.15)
+    plan = make_plan(3, 3, 5, costs, iterations=2, schedule=schedule, optimizer=optimizer)
+    one = make_plan(3, 1, 5, costs, iterations=2, schedule=schedule, optimizer=optimizer, variants=len(
+        policies_for(schedule, 3, None)), search=0 if schedule != "adaptive" else None)
+    validate_plan(plan)
+    check_channels(plan)
+    assert plan.makespan == pytest.approx(failure_free_time(3, 3, 5, costs, iterations=2, schedule=schedule,
+                                                            optimizer=optimizer))
+    for (p, s), ops in plan.workers.items():
+        assert [(o.kind, o.iteration, o.start, o.end) for o in ops] == \
+               [(o.kind, o.iteration, o.start, o.end) for o in plan.workers[(0, s)]]
+        assert all(o.mb is None or o.mb[0] == p for o in ops)
+    # the same simulated times as a real run of all the pipelines
+    assert simulate(plan.workers, costs, optimizer=optimizer,
+                    fused_backward=schedule == "1f1b").makespan == pytest.approx(plan.makespan)
+    assert one.makespan >= plan.makespan - 1e-9  # sized for 3 pipelines it tries at least as much
+
+
+def test_first_stage_failure_tries_the_fused_first_stage() -> None:
+    # heavier end stages, a first-stage failure: the survivors of stage 0 are the bottleneck (bound 65.8);
+    # the plain variants idle there while W pile up (71.4)
+    costs = CostModel((1.3, 1, 1, 1, 1.5), (1.3, 1, 1, 1, 1.5), (1, 1, 1, 1, 1.2), (0.5,) * 5, 0.05)
+    plan = make_plan(5, 3, 6, costs, [(0, 0)], iterations=2, search=0)
+    validate_plan(plan)
+    check_channels(plan)
+    assert plan.makespan <= 66.4 + 1e-9
+    first = [op for p in (1, 2) for op in plan.workers[(p, 0)] if op.kind is not OpKind.O]
+    follows = {(a.iteration, a.mb) for a, b in zip(first, first[1:]) if a.kind is OpKind.B and b.kind is OpKind.W
+               and (b.iteration, b.mb) == (a.iteration, a.mb)}
+    assert len(follows) == len([op for op in first if op.kind is OpKind.B])  # every W right after its B
+
+
+def test_local_search_never_worse_and_deterministic() -> None:
+    costs = CostModel((1.2, 1.0, 1.0, 1.4), (1.2, 1.0, 1.0, 1.5), (0.6,) * 4, (0.5,) * 4, 0.15)
+    failed = [(0, 0), (1, 3)]
+    plain = make_plan(4, 3, 5, costs, failed, iterations=2, search=0)
+    searched = make_plan(4, 3, 5, costs, failed, iterations=2, search=60)
+    again = make_plan(4, 3, 5, costs, failed, iterations=2, search=60)
+    validate_plan(searched)
+    check_channels(searched)
+    assert searched.makespan <= plain.makespan + 1e-12
+    assert searched.to_json() == again.to_json()
