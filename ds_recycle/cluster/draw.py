@@ -24,7 +24,7 @@ COLORS: dict[SystemKind, str] = {
 }
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")

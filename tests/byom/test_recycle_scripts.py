@@ -8,6 +8,7 @@ pipeline 1, so pipeline 0, which gathers the final parameters, stays whole.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.byom.harness import (
     assert_same_final,
     script_args,
     start_ds_recycle,
+    start_torchrun,
     write_recycle_variant,
 )
 
@@ -56,6 +58,9 @@ def test_failure_free_matches_vanilla(vanilla: VanillaRuns, variant: Path, tmp_p
     pytest.param("alexnet", 3, ("--restart_failed_after", "2"), id="alexnet-last-stage-rejoins"),
     # (hidden, bool mask) boundaries re-routed
     pytest.param("tuple", 3, (), id="tuple-last-stage"),
+    # weights tied across the first and the last stage, a holder of either gone
+    pytest.param("gpt", 1, (), id="tied-gpt-first-stage"),
+    pytest.param("gpt", 3, (), id="tied-gpt-last-stage"),
 ])
 def test_sigkill_mid_run_matches_vanilla(vanilla: VanillaRuns, variant: Path, tmp_path: Path, model: str,
                                         victim: int, launcher_args: tuple[str, ...]) -> None:
@@ -93,3 +98,46 @@ def test_bf16_is_refused_at_start_with_the_reason(variant: Path, tmp_path: Path)
         run = job.result(RUN_TIMEOUT_S)
     assert run.returncode != 0
     assert "config key 'bf16.enabled'" in run.log and "Fix:" in run.log, run.log[-3000:]
+
+
+def _eval_losses(log: str) -> dict[int, float]:
+    return {int(r): float(v) for r, v in re.findall(r"eval rank (\d+) loss ([-+0-9.einf]+)", log)}
+
+
+@pytest.mark.timeout(600)
+def test_eval_batch_with_an_absent_worker_matches_vanilla(variant: Path, tmp_path: Path) -> None:
+    """``eval_batch`` over a DataLoader with a DistributedSampler: each rank gets its pipeline's loss, as in DeepSpeed."""
+    args = [*script_args("alexnet", steps=8), "--eval"]
+    with start_torchrun(USER_TRAIN, args, tmp_path / "vanilla") as job:
+        vanilla = _eval_losses(job.result(RUN_TIMEOUT_S).check().log)
+    with start_ds_recycle(variant, [*args[:-1], "--steps", "30", "--eval"], tmp_path / "killed") as job:
+        job.wait_for(r"step 2 loss", timeout=RUN_TIMEOUT_S)
+        job.kill_rank(1)
+        killed = job.result(2 * RUN_TIMEOUT_S)
+    with start_ds_recycle(variant, args, tmp_path / "free") as job:
+        free = _eval_losses(job.result(RUN_TIMEOUT_S).check().log)
+    assert sorted(vanilla) == [0, 1, 2, 3] and free == pytest.approx(vanilla, rel=1e-5)
+    assert free[0] != pytest.approx(free[1], rel=1e-3)  # two pipelines, two different halves of the batch
+    got = _eval_losses(killed.log)
+    assert "'failure'" in killed.log and sorted(got) == [0, 2, 3], killed.log[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_checkpoint_written_after_a_failure_loads_in_vanilla_and_resumes_the_stream(
+        vanilla: VanillaRuns, variant: Path, tmp_path: Path) -> None:
+    """Survivors write DeepSpeed's layout; ds_recycle resumes the same data stream, vanilla DeepSpeed loads it too."""
+    with start_ds_recycle(variant, script_args("alexnet", steps=12), tmp_path / "killed") as job:
+        job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
+        job.kill_rank(3)
+        first = job.result(2 * RUN_TIMEOUT_S).check()
+    checkpoint = first.final.with_suffix(".ckpt")
+    assert (checkpoint / "latest").read_text() == "final"
+    resume = [*script_args("alexnet"), "--load", str(checkpoint)]
+    with start_ds_recycle(variant, resume, tmp_path / "resumed") as job:
+        resumed = job.result(RUN_TIMEOUT_S).check()
+    reference = vanilla("alexnet")  # the uninterrupted STEPS-step run
+    assert resumed.losses() == pytest.approx(reference.losses()[12:], rel=1e-5)
+    assert_same_final(resumed.final, reference.final)
+    with start_torchrun(USER_TRAIN, resume, tmp_path / "vanilla-loads") as job:
+        loaded = job.result(RUN_TIMEOUT_S).check()
+    assert len(loaded.losses()) == STEPS - 12 and all(loss == loss for loss in loaded.losses())

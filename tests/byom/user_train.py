@@ -15,6 +15,7 @@ import deepspeed
 import models
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
 
 
 def parse_args() -> argparse.Namespace:
@@ -24,6 +25,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--save-final", default=None, help="write the final parameters of every stage here")
+    parser.add_argument("--load", default=None, help="continue from this DeepSpeed checkpoint (tag 'final')")
+    parser.add_argument("--eval", action="store_true", help="after training, print every rank's eval_batch loss")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -51,10 +54,21 @@ def main() -> None:
 
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], training_data=dataset)  # noqa: E501
 
-    for step in range(args.steps):
+    start = 0
+    if args.load:
+        engine.load_checkpoint(args.load, tag="final")
+        start = engine.global_steps
+    for step in range(start, args.steps):
         loss = engine.train_batch()
         if engine.global_rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
+    if args.eval:
+        grid = engine.grid
+        sampler = DistributedSampler(dataset, num_replicas=grid.get_data_parallel_world_size(),
+                                     rank=grid.get_data_parallel_rank(), shuffle=False)
+        loader = DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler)
+        value = engine.eval_batch(iter(loader))
+        print(f"eval rank {engine.global_rank} loss {float(value):.6f}", flush=True)
 
     if args.save_final:
         save_final(engine, args.save_final)
