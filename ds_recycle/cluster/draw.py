@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ds_recycle.cluster.ledger import Phase
 from ds_recycle.cluster.simulator import SimulationResult
@@ -24,7 +25,8 @@ COLORS: dict[SystemKind, str] = {
 }
 
 
-def _pyplot():
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from ds_recycle.cluster.assumptions import Assumptions, ShrinkPolicy, resolve_assumptions
 from ds_recycle.cluster.ledger import USEFUL, Phase, Segment
@@ -131,10 +132,10 @@ def _run_one(kind: SystemKind, trace: Trace, timer: PipelineTimer, assumptions: 
         if event.time_s == 0.0 or event.time_s >= span_s:
             continue
         if event.kind is EventKind.REMOVE:
-            queue.push(event.time_s, lambda t, n=event.node: _remove(system, present, starting, t, n))
+            queue.push(event.time_s, partial(_remove, system, present, starting, node=event.node))
         else:
-            queue.push(event.time_s, lambda t, n=event.node: _add(system, queue, present, starting,
-                                                                  assumptions, t, n))
+            queue.push(event.time_s, partial(_add, system, queue, present, starting, assumptions,
+                                              node=event.node))
     while queue and queue.peek_time() < span_s:
         t, callback = queue.pop()
         system.ledger.advance(t)

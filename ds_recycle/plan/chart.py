@@ -26,7 +26,7 @@ def timeline(plan: Plan, width: int = 160) -> str:
             if op.end <= op.start:
                 continue  # zero-length ops (an O that costs nothing) take no column
             char = op.kind.value
-            if op.kind is not OpKind.O and op.mb[0] != p:
+            if op.kind is not OpKind.O and op.micro[0] != p:
                 char = char.lower()
             first = min(columns - 1, int(op.start / quantum + 1e-9))
             last = max(first + 1, min(columns, round(op.end / quantum)))

@@ -74,7 +74,7 @@ class CostModel:
                 raise PlanError(f"costs.{kind} = {obj[kind]!r}: must be a list of numbers, one per stage")
         if not isinstance(obj["comm"], (int, float)):
             raise PlanError(f"costs.comm = {obj['comm']!r}: must be a number")
-        return cls(*(tuple(obj[k]) for k in _KINDS), comm=obj["comm"])
+        return cls(F=tuple(obj["F"]), B=tuple(obj["B"]), W=tuple(obj["W"]), O=tuple(obj["O"]), comm=obj["comm"])
 
     @classmethod
     def from_file(cls, path: str | Path) -> CostModel:

@@ -32,7 +32,7 @@ def draw_plan(plan: Plan, path: str | Path, title: str | None = None) -> None:
             ax.text(plan.makespan / 2, y, "failed", ha="center", va="center", fontsize=7, color="#a94442")
             continue
         for op in plan.workers[worker]:
-            rerouted = op.kind is not OpKind.O and op.mb[0] != worker[0]
+            rerouted = op.kind is not OpKind.O and op.micro[0] != worker[0]
             ax.barh(y, op.end - op.start, left=op.start, height=0.8, color=COLOURS[op.kind],
                     edgecolor="black", linewidth=0.3, hatch="///" if rerouted else None)
             if op.mb is not None and op.end - op.start >= plan.makespan / 60:

@@ -77,6 +77,12 @@ class Op:
         return op
 
     @property
+    def micro(self) -> MicroBatch:
+        """The micro-batch of an F, B or W (``mb`` narrowed: only O has none)."""
+        assert self.mb is not None, f"op {self}: O has no micro-batch"
+        return self.mb
+
+    @property
     def key(self) -> OpKey:
         """The op without its times."""
         return (self.kind, self.iteration, self.mb)

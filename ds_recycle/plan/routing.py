@@ -20,7 +20,7 @@ Routing = list[dict[MicroBatch, int]]
 
 def route(stages: int, pipelines: int, microbatches: int, failed: Iterable[Worker]) -> Routing:
     """The assignment of every micro-batch to a live worker at every stage."""
-    failed = frozenset(map(tuple, failed))
+    failed = frozenset((p, s) for p, s in failed)
     failures_per_stage(failed, stages, pipelines)
     table: Routing = []
     for s in range(stages):

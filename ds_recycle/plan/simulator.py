@@ -28,6 +28,9 @@ __all__ = ["SimResult", "simulate", "busy_time", "peak_memory"]
 
 _F, _B, _W, _O = OpKind.F, OpKind.B, OpKind.W, OpKind.O
 
+_Done = tuple[OpKind, int, int, MicroBatch]
+"""An F, B or W of one stage: ``(kind, stage, iteration, micro-batch)``."""
+
 
 @dataclass(frozen=True)
 class SimResult:
@@ -84,8 +87,8 @@ class _Sim:
         self.ptr = {w: 0 for w in orders}
         self.free = {w: 0.0 for w in orders}
         self.out: dict[Worker, list[Op]] = {w: [] for w in orders}
-        self.done: dict[tuple[OpKind, int, int, MicroBatch], float] = {}
-        self.waiters: dict[tuple[OpKind, int, int, MicroBatch], list[Worker]] = defaultdict(list)
+        self.done: dict[_Done, float] = {}
+        self.waiters: dict[_Done, list[Worker]] = defaultdict(list)
         self.group_left: dict[tuple[int, int], int] = defaultdict(int)   # FBW ops still to end
         self.group_end: dict[tuple[int, int], float] = defaultdict(float)
         self.members: dict[tuple[int, int], set[Worker]] = defaultdict(set)
@@ -96,12 +99,13 @@ class _Sim:
         return (-1 if self.sync else stage, iteration)
 
     def _index(self) -> None:
-        present = set()
+        present: set[_Done] = set()
         for (p, s), ops in self.orders.items():
             for kind, it, mb in ops:
                 if kind is _O:
                     self.members[self._group(s, it)].add((p, s))
                 else:
+                    assert mb is not None, f"{kind.value}@{it} at worker {(p, s)} has no micro-batch"
                     self.group_left[self._group(s, it)] += 1
                     present.add((kind, s, it, mb))
         last = self.costs.stages - 1
@@ -111,7 +115,7 @@ class _Sim:
                 raise PlanError(f"{kind.value}{mb[0]}.{mb[1]}@{it} at stage {s} needs "
                                 f"{dep[0].value} at stage {dep[1]}, which no worker runs")
 
-    def _dep(self, kind: OpKind, s: int, it: int, mb: MicroBatch, last: int) -> tuple | None:
+    def _dep(self, kind: OpKind, s: int, it: int, mb: MicroBatch, last: int) -> _Done | None:
         if kind is _F:
             return (_F, s - 1, it, mb) if s > 0 else None
         if kind is _B:
@@ -134,6 +138,7 @@ class _Sim:
             if kind is _O:
                 self._arrive_o(w, it, queue)
                 return
+            assert mb is not None  # only O has none, and _index checked every other op
             dep = self._dep(kind, s, it, mb, last)
             ready = 0.0
             if dep is not None:
@@ -184,7 +189,9 @@ class _Sim:
             if kind is _O:
                 why = "waits for the rest of its O group (another worker of the group is stuck)"
             else:
+                assert mb is not None  # checked by _index
                 dep = self._dep(kind, w[1], it, mb, self.costs.stages - 1)
+                assert dep is not None  # an F at stage 0, the only op without one, never waits
                 why = f"waits for {dep[0].value} of {mb} at stage {dep[1]}, which has not run"
             lines.append(f"  worker {w}: next op {head} {why}")
             marks[w] = self.ptr[w]

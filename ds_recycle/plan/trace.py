@@ -26,7 +26,7 @@ def chrome_trace(plan: Plan, unit_us: float = 1000.0) -> dict[str, Any]:
             events.append({"name": "thread_name", "ph": "M", "pid": p, "tid": s, "args": {"name": label}})
     for (p, s), ops in sorted(plan.workers.items()):
         for op in ops:
-            rerouted = op.kind is not OpKind.O and op.mb[0] != p
+            rerouted = op.kind is not OpKind.O and op.micro[0] != p
             args: dict[str, Any] = {"iteration": op.iteration, "rerouted": rerouted}
             if op.mb is not None:
                 args["owner"], args["index"] = op.mb

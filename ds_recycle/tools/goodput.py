@@ -118,7 +118,8 @@ def checkpoint_cost(records: Sequence[Record], interval: int) -> float | None:
     """
     if interval <= 0:
         return None
-    after, other = [], []
+    after: list[float] = []
+    other: list[float] = []
     for prev, rec in zip(records, records[1:]):
         if rec["iter"] != prev["iter"] + 1:
             continue

@@ -101,7 +101,7 @@ def test_bf16_is_refused_at_start_with_the_reason(variant: Path, tmp_path: Path)
 
 
 def _eval_losses(log: str) -> dict[int, float]:
-    return {int(r): float(v) for r, v in re.findall(r"eval rank (\d+) loss ([-+0-9.einf]+)", log)}
+    return {int(r): float(v) for r, v in re.findall(r"eval rank (\d+) loss (-?\d+\.\d{6})", log)}
 
 
 @pytest.mark.timeout(600)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 from ds_recycle.cluster.systems.base import SimContext, System, SystemKind
 from ds_recycle.cluster.timing import StageLostError
@@ -134,7 +135,7 @@ class ReCycle(System):
             node = self.idle.pop(0)
             self.pending[node] = slot
             taken.add(slot)
-            self.ctx.queue.push(t + self.a.rejoin_copy_s, lambda when, n=node: self._rejoin(when, n))
+            self.ctx.queue.push(t + self.a.rejoin_copy_s, partial(self._rejoin, node=node))
 
     def _failures_per_stage(self) -> list[int]:
         counts = [0] * self.shape.stages

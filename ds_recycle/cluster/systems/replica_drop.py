@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 from ds_recycle.cluster.systems.base import SimContext, System, SystemKind
 
@@ -99,7 +100,7 @@ class ReplicaDrop(System):
             self.idle.append(node)
             return
         self.pending[node] = stage
-        self.ctx.queue.push(t + self.a.rejoin_copy_s, lambda when, n=node: self._join(when, n))
+        self.ctx.queue.push(t + self.a.rejoin_copy_s, partial(self._join, node=node))
 
     def _join(self, t: float, node: str) -> None:
         stage = self.pending.pop(node, None)
