@@ -279,12 +279,12 @@ class RecyclePipelineEngine(PipelineEngine):
     def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None,
                    ) -> torch.Tensor:
-        """Forward ``M`` micro-batches of every pipeline; the mean loss of this rank's pipeline, as DeepSpeed.
+        """Forward ``M`` micro-batches of every pipeline; their mean loss on every rank, as DeepSpeed returns it.
 
         Each pipeline reads its micro-batches from ``data_iter`` as in DeepSpeed (which must be addressable:
         a DataLoader with a DistributedSampler, or an object with ``micro_batch(step, pipeline, index)``,
         ``step`` counting this iterator's evaluations); a failed worker's micro-batches are forwarded by its
-        peers, routed as the current plan routes training. Every live rank gets its pipeline's loss.
+        peers, routed as the current plan routes training. Every live rank gets the mean over all ``D x M``.
         """
         if return_logits or not compute_loss or reduce_output != "avg" or num_micro_batches not in (None,
                                                                                                     self.micro_batches):
@@ -304,7 +304,7 @@ class RecyclePipelineEngine(PipelineEngine):
         return self.run_evaluation(step)
 
     def run_evaluation(self, step: int) -> torch.Tensor:
-        """One evaluation pass at eval step ``step``; every rank returns its own pipeline's mean loss."""
+        """One evaluation pass at eval step ``step``; every rank returns the mean loss over all pipelines."""
         self._exec_finish_optimizer_step()  # evaluate the parameters of a final step
         self.module.eval()
         self._eval_sums = torch.zeros(self.workers.pipelines)
@@ -321,7 +321,7 @@ class RecyclePipelineEngine(PipelineEngine):
             self.module.train()
         sums = self._eval_sums
         self._reduce_eval(sums)
-        return (sums / self.micro_batches)[self.worker[0]].clone()
+        return sums.sum() / (self.workers.pipelines * self.micro_batches)
 
     def _reduce_eval(self, sums: torch.Tensor) -> None:
         """Sum the per-pipeline loss sums over every live rank (hook: the failure handler bounds it)."""
