@@ -21,6 +21,7 @@ from types import FrameType, TracebackType
 from torch.distributed import Store
 
 from ds_recycle.launcher import store as keys
+from ds_recycle.launcher.fencing import poll_fence_requests
 from ds_recycle.launcher.job import JobSpec
 from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
@@ -108,6 +109,7 @@ class Supervisor:
         self._signal: signal.Signals | None = None
         self._next_stop_poll = 0.0
         self._requests_seen = 0
+        self._fences_seen = 0
         self._lingering = False
         self._t0 = time.monotonic()
 
@@ -245,6 +247,7 @@ class Supervisor:
             if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
                 self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
             self._poll_restart_requests()
+            self._fences_seen = poll_fence_requests(self.store, self.workers, self._fences_seen)
             if self.others is not None:
                 self._poll_others(self.others)
         except (RuntimeError, OSError) as err:

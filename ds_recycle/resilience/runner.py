@@ -44,6 +44,7 @@ from ds_recycle.resilience.rejoin import (
     JoinTicket,
     decide_requests,
     file_request,
+    read_request,
     stage_sources,
     transfer_stage_state,
     wait_for_ticket,
@@ -51,8 +52,9 @@ from ds_recycle.resilience.rejoin import (
 )
 from ds_recycle.resilience.salvage import Report, decide, redo_point
 from ds_recycle.resilience.snapshot import SnapshotRing
-from ds_recycle.resilience.store import StoreKeys, connect_store
+from ds_recycle.resilience.store import StoreKeys, connect_store, incarnation
 from ds_recycle.resilience.transport import BoundedChannel, BoundedOptimizer, EpochComm
+from ds_recycle.resilience.watchdog import Watchdog, run_guarded, watch_members
 from ds_recycle.runtime.grid import WorkerMap
 from ds_recycle.train.runner import IterationResult
 from ds_recycle.train.state import cpu_state_dict, merge_in_layer_order
@@ -88,7 +90,9 @@ class ResilientRunner(RecycleRunner):
         self.keys = StoreKeys(root=f"ds_recycle/gen{self.generation}") if self.generation else StoreKeys()
         self.heartbeat = Heartbeat(lambda: connect_store(timeout_s=rc.failure_timeout_s), self.rank,
                                    keys=self.keys).start()
-        self.liveness = Liveness(self.store, rc.heartbeat_stale_s, keys=self.keys)
+        self.watchdog = Watchdog(lambda: connect_store(timeout_s=rc.failure_timeout_s), self.rank,
+                                 rc.heartbeat_stale_s, keys=self.keys).start()
+        self.liveness = Liveness(self.store, rc.heartbeat_stale_s, keys=self.keys, watchdog=self.watchdog)
         costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
         self.plans = PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, costs, schedule=rc.schedule,
                                optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
@@ -117,14 +121,18 @@ class ResilientRunner(RecycleRunner):
         self._wrap_handlers()
 
     # ------------------------------------------------------------------ groups and engine state
-    def _build_comm(self, tag: str) -> EpochComm:
+    def _build_comm(self, tag: str, known: dict[int, int] | None = None) -> EpochComm:
+        """The epoch's groups; ``known``: restart counts of members whose process is known (joiners)."""
         stage_members = self.workers.stage_ranks(self.engine.stage_id)
+        incarnations = watch_members(self.watchdog, self.store, self.keys, self.members, known)
+        self.liveness.incarnations = dict(incarnations)  # a member dying while connecting is found dead
         try:
-            comm = EpochComm.build(self.store, self.epoch, self.members, stage_members, self.rank,
-                                   self.cfg.recycle.failure_timeout_s, f"g{self.generation}{tag}")
+            comm = run_guarded(lambda: EpochComm.build(self.store, self.epoch, self.members, stage_members, self.rank,
+                                                       self.cfg.recycle.failure_timeout_s, f"g{self.generation}{tag}"),
+                               self.watchdog, self.cfg.recycle.failure_timeout_s, f"building epoch {self.epoch}{tag}")
         except RuntimeError as e:  # a member died while the groups were being connected
             raise PeerFailure(f"building the groups of epoch {self.epoch}: {e}") from e
-        self.liveness.incarnations = dict(comm.probe.incarnations)
+        comm.probe.incarnations, comm.probe.watchdog = dict(incarnations), self.watchdog
         return comm
 
     def _install(self, comm: EpochComm, workers: WorkerMap, plan: Any) -> None:
@@ -338,7 +346,7 @@ class ResilientRunner(RecycleRunner):
         # Joins do not count as agreement rounds (``epoch``): a failure in the middle of one sends every member
         # to the same next round, whether it had finished the join or not. Their groups carry the join count.
         self.members, self.workers = members, self._workers_of(members)
-        comm = self._build_comm(f"j{upto}")
+        comm = self._build_comm(f"j{upto}", {q: read_request(self.store, self.keys, n)[1] for n, q in accepted.items()})
         connected = time.time()
         self._install(comm, self.workers, self.plans.get(self.workers.absent()))
         sources = stage_sources(previous, joining, lambda q: self.job_workers.worker_of_rank(q)[1])
@@ -355,7 +363,7 @@ class ResilientRunner(RecycleRunner):
     def _join(self) -> None:
         """This process replaces a lost worker: ask the members in, take the stage's state, start at a boundary."""
         started = time.time()
-        number = file_request(self.store, self.keys, self.rank)
+        number = file_request(self.store, self.keys, self.rank, incarnation(self.store, self.keys, self.rank))
         rc = self.cfg.recycle
         try:
             ticket = wait_for_ticket(self.store, self.keys, number, rc.failure_timeout_s, self._fell_back)
@@ -405,6 +413,7 @@ class ResilientRunner(RecycleRunner):
 
     def _exit(self, code: int) -> NoReturn:
         self.heartbeat.stop()
+        self.watchdog.stop()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -480,6 +489,7 @@ class ResilientRunner(RecycleRunner):
         self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "closing barrier")
         if self.epoch == 0 and self.joined_at is None:
             self.heartbeat.stop()
+            self.watchdog.stop()
             super().close()
             return
         # The WORLD group still references a dead peer (or is detached): tearing it down could abort; leave.
