@@ -30,7 +30,7 @@ import torch
 
 from ds_recycle.config import TrainConfig
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.engine import IterationProgress, served_pipelines
+from ds_recycle.engine.engine import IterationProgress, rerouted_pipelines, served_pipelines
 from ds_recycle.engine.runner import RecycleRunner
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
@@ -151,7 +151,8 @@ class ResilientRunner(RecycleRunner):
             eng.module, eng.optimizer, stage=eng.stage_id, pipelines=workers.pipelines, dp_group=None,
             dp_ranks=workers.stage_ranks(eng.stage_id), norm_group=None, max_norm=old.max_norm, scope=old.scope,
             lr_scheduler=eng.lr_scheduler, served=served, stage_rerouted=rerouted,
-            norm_source=min(workers.stage_ranks(0))).attach(comm, self._at_step)
+            norm_source=min(workers.stage_ranks(0)), rerouted_pipelines=rerouted_pipelines(plan, eng.stage_id),
+            microbatches=eng.micro_batches).attach(comm, self._at_step)
         eng.stepper.clipped_steps, eng.stepper.redone_steps = old.clipped_steps, old.redone_steps
         eng.stepper._expect_clip = getattr(old, "_expect_clip", False)
         last = workers.stage_ranks(workers.stages - 1)
