@@ -136,7 +136,7 @@ class StaggeredOptimizer:
         """Owner pipelines of the micro-batches this worker processes."""
         self.stage_rerouted = stage_rerouted
         """True when some replica of this stage serves more than one pipeline (per-pipeline sums needed)."""
-        self._bank: dict[int, list[torch.Tensor | None]] = {}
+        self._bank: dict[RowKey, list[torch.Tensor | None]] = {}
         self.canonical_order = canonical_order
         self.rerouted_pipelines = rerouted_pipelines
         """Pipelines whose micro-batches at this stage are processed by workers of other pipelines (its owner
