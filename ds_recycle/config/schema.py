@@ -22,12 +22,14 @@ A config file is DeepSpeed's JSON plus one extra top-level key, ``"recycle"``::
 """
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ds_recycle.config._strict import parse_dataclass, to_jsonable
+from ds_recycle.config.deepspeed_keys import DEEPSPEED_TOP_LEVEL_KEYS
 from ds_recycle.config.errors import ConfigError
 
 Worker = tuple[int, int]
@@ -229,6 +231,7 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
     if not isinstance(source, dict):
         raise ConfigError("<top>", "the config is not a JSON object", "write the config as {...}")
     raw = dict(source)
+    _check_top_level_keys(raw)
     recycle = parse_dataclass(RecycleConfig, raw.pop("recycle", {}), "recycle")
     opt_type, opt_params = _optimizer(raw.pop("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}}))
     mbs, gas = _required_int(raw, "train_micro_batch_size_per_gpu"), _required_int(raw, "gradient_accumulation_steps")
@@ -240,6 +243,16 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
     raw.setdefault("steps_per_print", 10**9)
     return TrainConfig(recycle=recycle, deepspeed=raw, optimizer_type=opt_type, optimizer_params=opt_params,
                        micro_batch_size=mbs, micro_batches=gas, gradient_clipping=float(clip), path=path)
+
+
+def _check_top_level_keys(raw: dict[str, Any]) -> None:
+    """Refuse a top-level key that is neither DeepSpeed's nor ours (DeepSpeed would ignore it silently)."""
+    known = DEEPSPEED_TOP_LEVEL_KEYS | {"recycle"}
+    for key in raw:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "neither DeepSpeed 0.19.8 nor ds_recycle reads it"
+            raise ConfigError(key, "unknown top-level key", f"remove it or correct it ({hint})")
 
 
 def _required_int(raw: dict[str, Any], key: str) -> int:

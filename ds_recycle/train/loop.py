@@ -114,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "WORLD_SIZE" in os.environ:
             cfg.check_world_size(int(os.environ["WORLD_SIZE"]))
     except ConfigError as e:
-        logger.error("%s", e)
+        # Every worker reads the same file: under a launcher the error is printed by rank 0 only.
+        (logger.error if int(os.environ.get("RANK", "0")) == 0 else logger.debug)("%s", e)
         return 2
     return _train(cfg, args)
 
