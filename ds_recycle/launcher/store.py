@@ -28,6 +28,9 @@ Keys the launchers write (the failure handler of the workers reads them; all val
                                     stopped); its launcher SIGKILLs it and reports its death as usual, then
                                     deletes the key. Written by a member's watchdog, then ``fence_requests``
                                     is incremented.
+``ds_recycle/restart_all``          ``"<g>"``: the job falls back to its checkpoint as generation g. Every launcher
+                                    starts each of its ranks again once it is lost (at once, within
+                                    ``--max_restarts``), whether or not ``--restart_failed_after`` is set.
 ``ds_recycle/fence_requests``       counter (``store.add``) of fence requests so far, polled like
                                     ``restart_requests``.
 ==================================  ==============================================================================
@@ -44,7 +47,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported only when a store is opened, so the key names cost nothing to import
     from torch.distributed import Store, TCPStore
 
-__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY", "connect_store", "exit_key",
+__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "RESTART_ALL_KEY", "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY",
+           "connect_store", "exit_key",
            "fence_key", "host_store", "node_key", "read_int", "restart_request_key", "restart_result_key", "restarted_key"]
 
 EXITS_KEY = "ds_recycle/exits"
@@ -52,6 +56,7 @@ STOP_KEY = "ds_recycle/stop"
 WORLD_SIZE_KEY = "ds_recycle/world_size"
 RESTART_REQUESTS_KEY = "ds_recycle/restart_requests"
 FENCE_REQUESTS_KEY = "ds_recycle/fence_requests"
+RESTART_ALL_KEY = "ds_recycle/restart_all"
 
 
 def exit_key(rank: int) -> str:

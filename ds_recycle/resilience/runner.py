@@ -35,6 +35,7 @@ from ds_recycle.engine.runner import RecycleRunner
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
 from ds_recycle.resilience.comm import PeerFailure
+from ds_recycle.resilience.fallback import carried_events, carry_events, request_restart_all
 from ds_recycle.resilience.faults import FaultInjector, FaultSpec, Phase
 from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
 from ds_recycle.resilience.membership import MembershipError, agree_members
@@ -114,6 +115,8 @@ class ResilientRunner(RecycleRunner):
         self._join_checked: int | None = None
         self.joined_at: int | None = None
         """The iteration at which this process joined the running job (None: it started with the job)."""
+        self.fallback_directory: str | None = None
+        """The checkpoint directory a lost stage falls back to (the training loop sets it); None: no fallback."""
         if getattr(world, "rejoining", False):
             self._join()
         else:
@@ -294,11 +297,19 @@ class ResilientRunner(RecycleRunner):
 
     def _fall_back(self, error: StageLostError) -> None:
         """Every worker of a stage is gone: restart the whole job from the latest checkpoint (never returns)."""
-        self._event("fallback", reason=str(error), generation=self.generation + 1)
-        logger.error("cannot re-route (%s): falling back to the latest checkpoint; this worker leaves as lost "
-                     "(exit %d) and the launcher restarts every rank (--restart_failed_after)", error,
+        if self.fallback_directory is None:
+            self._event("stage_lost", reason=str(error))
+            logger.error("cannot re-route (%s) and there is no checkpoint to fall back to (no --checkpoint-dir): "
+                         "this worker leaves as lost (exit %d)", error, ckpt.LOST_EXIT_CODE)
+            self._exit(ckpt.LOST_EXIT_CODE)
+        self._event("fallback", reason=str(error), generation=self.generation + 1,
+                    directory=self.fallback_directory)
+        logger.error("cannot re-route (%s): falling back to the latest checkpoint in %s; this worker leaves as lost "
+                     "(exit %d) and the launcher starts every rank again", error, self.fallback_directory,
                      ckpt.LOST_EXIT_CODE)
+        carry_events(self.store, self.generation + 1, self.rank == min(self.members), self.events)
         self.store.compare_set(ckpt.GENERATION_KEY, str(self.generation), str(self.generation + 1))
+        request_restart_all(self.store, self.generation + 1)
         self._exit(ckpt.LOST_EXIT_CODE)
 
     # ------------------------------------------------------------------ rejoin
@@ -449,8 +460,9 @@ class ResilientRunner(RecycleRunner):
         if start is not None:
             self._target = start
             self.snapshots = SnapshotRing()
-            if self.generation:
-                self._event("resumed", iteration=start, generation=self.generation, directory=directory)
+        self.events = carried_events(self.store, self.generation) + self.events
+        self._event("resumed", iteration=start or 0, generation=self.generation, directory=directory,
+                    checkpoint_found=start is not None)
         return start
 
     # ------------------------------------------------------------------ end of training

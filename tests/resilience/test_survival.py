@@ -115,20 +115,31 @@ def test_2x2_two_failures_in_different_stages(tmp_path: Path, baseline_2x2: Path
 
 @pytest.mark.timeout(200)
 def test_whole_stage_lost_falls_back_to_the_checkpoint(tmp_path: Path, baseline_2x2: Path) -> None:
-    """Both workers of the last stage die at once: every rank restarts from the iteration-4 checkpoint."""
+    """Both workers of the last stage die at once: every rank restarts from the iteration-4 checkpoint, with the
+    checkpoint flags alone (no --resume, no --restart_failed_after), and the metrics file keeps one record."""
     out, metrics = tmp_path / "fb.pt", tmp_path / "fb.jsonl"
     args = ["--deepspeed_config", str(_config(tmp_path, "fb", 2, 2)), "--steps", str(STEPS), "--save-final", str(out),
             "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-interval", "2",
-            "--resume", "--kill", "0:1@5:forward", "--kill", "1:1@5:backward-input"]
-    job = launch(4, args, timeout=180, launcher_args=["--restart_failed_after", "1", "--max_restarts", "1"])
+            "--kill", "0:1@5:forward", "--kill", "1:1@5:backward-input"]
+    job = launch(4, args, timeout=180)
     assert job.returncode == 0, job.output[-5000:]
-    fell_back = "'kind': 'fallback'" in job.output
     left_as_lost = len(re.findall(r"summary: rank \d \(pid \d+\) lost: exit code 75", job.output))
     restarted_ok = len(re.findall(r"summary: rank \d \(pid \d+, restart 1\) finished: exit code 0", job.output))
-    assert (fell_back, left_as_lost, restarted_ok) == (True, 2, 4), job.output[-3000:]
-    records = job.metrics(metrics)  # the restarted reporter's file: from the checkpoint on
-    assert records[0]["iter"] == 4 and records[0]["events"][0]["kind"] == "resumed"
+    assert (left_as_lost, restarted_ok) == (2, 4), job.output[-3000:]
+    records = job.metrics(metrics)  # one file: the first life's iterations, then the restarted job's from 4 on
+    assert [r["iter"] for r in records] == [0, 1, 2, 3, 4, 4, 5, 6], [r["iter"] for r in records]
+    assert [e["kind"] for e in records[5]["events"]] == ["failure", "agreement", "fallback", "resumed"]
+    assert records[5]["events"][0]["lost_workers"] == [[0, 1], [1, 1]]
     assert_same_model(out, baseline_2x2)
+
+
+@pytest.mark.timeout(200)
+def test_whole_stage_lost_without_a_checkpoint_dir_says_so(tmp_path: Path) -> None:
+    args = ["--deepspeed_config", str(_config(tmp_path, "nofb", 2, 2)), "--steps", str(STEPS),
+            "--kill", "0:1@3:forward", "--kill", "1:1@3:forward"]
+    job = launch(4, args, timeout=150)
+    assert job.returncode == 1, job.output[-3000:]
+    assert "falling back" not in job.output and "no checkpoint to fall back to" in job.output, job.output[-3000:]
 
 
 @pytest.mark.timeout(150)
