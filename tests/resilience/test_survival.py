@@ -128,8 +128,10 @@ def test_whole_stage_lost_falls_back_to_the_checkpoint(tmp_path: Path, baseline_
     assert (left_as_lost, restarted_ok) == (2, 4), job.output[-3000:]
     records = job.metrics(metrics)  # one file: the first life's iterations, then the restarted job's from 4 on
     assert [r["iter"] for r in records] == [0, 1, 2, 3, 4, 4, 5, 6], [r["iter"] for r in records]
-    assert [e["kind"] for e in records[5]["events"]] == ["failure", "agreement", "fallback", "resumed"]
-    assert records[5]["events"][0]["lost_workers"] == [[0, 1], [1, 1]]
+    kinds = [e["kind"] for e in records[5]["events"]]  # the two deaths are seen in one agreement round or two
+    assert kinds[0] == "failure" and kinds[-2:] == ["fallback", "resumed"], kinds
+    lost = sorted(w for e in records[5]["events"] if e["kind"] == "failure" for w in e["lost_workers"])
+    assert lost == [[0, 1], [1, 1]], lost
     assert_same_model(out, baseline_2x2)
 
 
