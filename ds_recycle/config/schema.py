@@ -85,7 +85,7 @@ class DataConfig:
 
 
 FaultPhase = Literal["forward", "backward-input", "backward-weight", "send", "receive", "all-reduce",
-                     "optimizer-step", "idle"]
+                     "optimizer-step", "idle", "join-request", "join-groups", "join-transfer", "join-first-iteration"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,8 @@ class FaultConfig:
     """One injected failure: ``{"worker": [pipeline, stage], "iteration": N, "phase": "forward"}``.
 
     The worker dies by SIGKILL the first time it enters ``phase`` in iteration ``N`` (0-based). Only
-    ``ds-recycle launch`` keeps the other workers alive (see ``docs/failures.md``).
+    ``ds-recycle launch`` keeps the other workers alive (see ``docs/failures.md``). The ``join-*`` phases are
+    steps of a restarted worker's admission, and ``N`` is then the restart count of the life in which it dies.
     """
 
     worker: tuple[int, int]

@@ -36,7 +36,7 @@ from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
 from ds_recycle.resilience.comm import PeerFailure
 from ds_recycle.resilience.fallback import carried_events, carry_events, request_restart_all
-from ds_recycle.resilience.faults import FaultInjector, FaultSpec, Phase
+from ds_recycle.resilience.faults import JOIN_PHASES, FaultInjector, FaultSpec, Phase
 from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
 from ds_recycle.resilience.membership import MembershipError, agree_members
 from ds_recycle.resilience.regroup import EpochGrid
@@ -105,9 +105,12 @@ class ResilientRunner(RecycleRunner):
         self.events: list[dict[str, Any]] = []
         self._recovery: dict[str, Any] | None = None
         self._target = 0
-        restarted = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")) > 0
+        life = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0"))
         # Faults fire in a worker's first life only: a restarted worker must not die again at the same spot.
-        self.injector = FaultInjector([] if restarted else faults_of(cfg), *self.engine.worker)
+        # Faults of a join phase fire in the life their iteration names (a joiner's admission).
+        self.injector = FaultInjector([] if life else faults_of(cfg), *self.engine.worker)
+        self.join_injector = FaultInjector([f for f in faults_of(cfg) if f.phase in JOIN_PHASES and f.iteration == life],
+                                           *self.engine.worker)
         self.job_workers = self.workers
         """Every worker of the job and its rank, live or not (a restarted rank runs the same worker)."""
         self.joins_decided = 0
@@ -167,7 +170,14 @@ class ResilientRunner(RecycleRunner):
                             for d in range(plan.pipelines) for i in range(plan.microbatches))
 
     # ------------------------------------------------------------------ fault injection
+    def _fire_join(self, phase: Phase) -> None:
+        if any(f.phase is phase for f in self.join_injector.pending):
+            self.store.set(self._fault_key(self.rank), repr(time.time()))
+            self.join_injector.reached(self.join_injector.pending[0].iteration, phase)
+
     def _fire(self, phase: Phase) -> None:
+        if phase is Phase.FORWARD and self.joined_at is not None and self.engine.iteration == self.joined_at:
+            self._fire_join(Phase.JOIN_FIRST_ITERATION)
         it = self.engine.iteration
         if any(f.iteration == it and f.phase is phase for f in self.injector.pending):
             self.store.set(self._fault_key(self.rank), repr(time.time()))
@@ -376,6 +386,7 @@ class ResilientRunner(RecycleRunner):
         """This process replaces a lost worker: ask the members in, take the stage's state, start at a boundary."""
         started = time.time()
         number = file_request(self.store, self.keys, self.rank, incarnation(self.store, self.keys, self.rank))
+        self._fire_join(Phase.JOIN_REQUEST)
         rc = self.cfg.recycle
         try:
             ticket = wait_for_ticket(self.store, self.keys, number, rc.failure_timeout_s, self._fell_back)
@@ -393,11 +404,13 @@ class ResilientRunner(RecycleRunner):
         self.epoch, self.members, self.joins_decided = ticket.epoch, list(ticket.members), ticket.admitted_upto
         self.workers = self._workers_of(self.members)
         self.engine.reporter_rank = ticket.reporter
+        self._fire_join(Phase.JOIN_GROUPS)
         comm = self._build_comm(f"j{ticket.admitted_upto}")
         self._install(comm, self.workers, self.plans.get(self.workers.absent()))
         previous = [q for q in ticket.members if q not in ticket.joining]
         src = stage_sources(previous, ticket.joining, lambda q: self.job_workers.worker_of_rank(q)[1])[
             self.engine.stage_id]
+        self._fire_join(Phase.JOIN_TRANSFER)
         moved, extra = transfer_stage_state(comm, src, self.rank, self.engine, load=True)
         if self.engine.iteration != ticket.iteration:
             raise RuntimeError(f"state from rank {src} is at iteration {self.engine.iteration}, "
