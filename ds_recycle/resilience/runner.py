@@ -132,8 +132,10 @@ class ResilientRunner(RecycleRunner):
         stage_members = self.workers.stage_ranks(self.engine.stage_id)
         incarnations = watch_members(self.watchdog, self.store, self.keys, self.members, known)
         self.liveness.incarnations = dict(incarnations)  # a member dying while connecting is found dead
+        # Its own store client: a connection abandoned while it waits for a dead member must not block this one.
+        store = connect_store(timeout_s=self.cfg.recycle.failure_timeout_s)
         try:
-            comm = run_guarded(lambda: EpochComm.build(self.store, self.epoch, self.members, stage_members, self.rank,
+            comm = run_guarded(lambda: EpochComm.build(store, self.epoch, self.members, stage_members, self.rank,
                                                        self.cfg.recycle.failure_timeout_s, f"g{self.generation}{tag}"),
                                self.watchdog, self.cfg.recycle.failure_timeout_s, f"building epoch {self.epoch}{tag}")
         except RuntimeError as e:  # a member died while the groups were being connected
