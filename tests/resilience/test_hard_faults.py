@@ -182,7 +182,8 @@ def _kill_job(job: LaunchedJob) -> None:
         os.killpg(job.proc.pid, signal.SIGKILL)
 
 
-def _check_joiner_death(job: LaunchedJob, out: Path, metrics: Path, baseline: Path, reason: str | None) -> None:
+def _check_joiner_death(job: LaunchedJob, out: Path, metrics: Path, baseline: Path, reason: str | None,
+                        killed_at: float | None = None) -> None:
     _finish(job)
     assert re.search(r"summary: rank 1 \(pid \d+, restart 1\) lost: signal SIGKILL", job.text), job.text[-3000:]
     assert re.search(r"summary: rank 1 \(pid \d+, restart 2\) finished: exit code 0", job.text), job.text[-3000:]
@@ -191,6 +192,8 @@ def _check_joiner_death(job: LaunchedJob, out: Path, metrics: Path, baseline: Pa
     assert [f["lost_ranks"] for f in failures] == [[1], [1]], failures  # the first kill, then the joiner's death
     if reason is not None:
         assert reason in failures[1]["reason"], failures[1]
+    if killed_at is not None:  # an ordinary failure, seen at once: not after failure_timeout_s (120 s)
+        assert failures[1]["time_s"] - killed_at < 30, failures[1]["time_s"] - killed_at
     joins = _events(records, "rejoin")  # the second attempt (the first too if it died in its first iteration)
     assert joins and joins[-1]["ranks"] == [1] and records[-1]["live_workers"] == 4, joins
     assert len(records) == STEPS
@@ -203,11 +206,12 @@ def test_joiner_killed_after_filing_its_request(tmp_path: Path, baseline: Path) 
     try:
         with _member_pause(job, 1):
             _signal(job, [1], signal.SIGKILL)  # its request is filed; the members decide it at their next boundary
+            killed_at = time.time()
         _second_attempt_joins(job)
     except BaseException:
         _kill_job(job)
         raise
-    _check_joiner_death(job, out, metrics, baseline, None)
+    _check_joiner_death(job, out, metrics, baseline, None, killed_at)
 
 
 @pytest.mark.timeout(400)
@@ -218,11 +222,12 @@ def test_joiner_killed_while_the_groups_are_being_built(tmp_path: Path, baseline
             _signal(job, [1], signal.SIGSTOP)  # admitted, but it never connects to the join's groups
         time.sleep(3.0)  # the members reach their boundary, admit it and wait for its connection
         _signal(job, [1], signal.SIGKILL)
+        killed_at = time.time()
         _second_attempt_joins(job)
     except BaseException:
         _kill_job(job)
         raise
-    _check_joiner_death(job, out, metrics, baseline, "building epoch")
+    _check_joiner_death(job, out, metrics, baseline, "building epoch", killed_at)
 
 
 @pytest.mark.timeout(400)
