@@ -14,8 +14,10 @@ Semantics (each stage, each iteration):
    bit (``a + b == b + a``). With D > 2 the all-reduce's own order (gloo's ring, which depends on each
    replica's position in the group) is not the pipeline order, so the table is used with or without
    re-routing (``canonical_order``): the stage gradient is then the same floating-point sum for every
-   membership, and a run with failures ends at the failure-free model bit for bit. Its cost is D times the
-   all-reduce volume of the stage's gradients (``benchmarks/reduction_order.py`` measures it).
+   membership, and a run with failures ends at the failure-free model bit for bit. While every pipeline has
+   its own replica (no failure), the same sums come from a reduce-scatter and an all-gather in which each
+   replica adds one slice of the rows in pipeline order: the volume of a ring all-reduce. After a failure the
+   table is all-reduced whole (D times the volume). ``benchmarks/reduction_order.py`` measures both.
 2. **Clipping as DeepSpeed 0.19.8 does it.** DeepSpeed's ``clip_grad_norm_`` sums squared per-parameter
    norms over the pipeline group but counts only parameters of model-parallel rank 0, which for a
    ``PipelineModule`` is the *first stage*; it then averages the norm over the data-parallel group and
@@ -108,7 +110,8 @@ class StaggeredOptimizer:
                  scope: ClipScope = ClipScope.FIRST_STAGE, lr_scheduler: Any = None,
                  served: frozenset[int] = frozenset(), stage_rerouted: bool = False,
                  norm_source: int = 0, canonical_order: bool = True,
-                 rerouted_pipelines: frozenset[int] = frozenset(), microbatches: int = 1) -> None:
+                 rerouted_pipelines: frozenset[int] = frozenset(), microbatches: int = 1,
+                 rank: int | None = None) -> None:
         self.module = module
         self.optimizer = optimizer
         self.stage = stage
@@ -120,7 +123,9 @@ class StaggeredOptimizer:
         self.scope = scope
         self.lr_scheduler = lr_scheduler
         self.counts = scope is ClipScope.WHOLE_MODEL or stage == 0
-        self.representative = dist.get_rank() == min(dp_ranks)
+        self.rank = dist.get_rank() if rank is None else rank
+        """This worker's global rank."""
+        self.representative = self.rank == min(dp_ranks)
         self.norm_source = norm_source
         """Global rank that broadcasts the first stage's norm (``FIRST_STAGE``): its first live replica."""
         self._source_work: Any = None
@@ -138,18 +143,28 @@ class StaggeredOptimizer:
         """True when some replica of this stage serves more than one pipeline (per-pipeline sums needed)."""
         self._bank: dict[RowKey, list[torch.Tensor | None]] = {}
         self.canonical_order = canonical_order
+        """With more than 2 pipelines, reduce per-owner-pipeline rows added in pipeline order (the same sum
+        whoever is alive) rather than the replicas' sums in the all-reduce's ring order (its rounding changes
+        with the membership)."""
         self.rerouted_pipelines = rerouted_pipelines
         """Pipelines whose micro-batches at this stage are processed by workers of other pipelines (its owner
         is absent): each such micro-batch's weight gradient is a row of its own, wherever it is computed."""
         self.microbatches = microbatches
-        """With more than 2 pipelines, reduce per-owner-pipeline rows added in pipeline order (the same sum
-        whoever is alive) rather than the replicas' sums in the all-reduce's ring order (cheaper, but its
-        rounding changes with the membership)."""
+        self.dp_ranks = sorted(dp_ranks)
 
     # Communication hooks: a subclass routes them through other groups (e.g. bounded, per-epoch ones).
     def _all_reduce_stage(self, tensor: torch.Tensor) -> None:
         """SUM ``tensor`` in place over the stage's live replicas (blocking)."""
         dist.all_reduce(tensor, group=self.dp_group)
+
+    def _all_to_all_stage(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Replica ``j`` receives the ``j``-th of ``len(dp_ranks)`` equal slices of every replica's ``tensor``,
+        in rank order, in ``output`` (blocking)."""
+        dist.all_to_all_single(output, tensor, group=self.dp_group)
+
+    def _all_gather_stage(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every replica's ``tensor`` into ``outputs``, in rank order (blocking)."""
+        dist.all_gather(outputs, tensor, group=self.dp_group)
 
     def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
         """Post the broadcast of the norm from global rank ``src`` over the norm group; returns the work."""
@@ -250,7 +265,43 @@ class StaggeredOptimizer:
             offset += g.numel()
         return total_loss
 
+    def _own_row_only(self) -> bool:
+        """Every pipeline has its own live replica, which holds only its own row (failure-free, D > 2)."""
+        if self._banked or self.rerouted_pipelines or len(self.dp_ranks) != self.pipelines:
+            return False
+        return self.served == {self.dp_ranks.index(self.rank)}
+
+    def _reduce_own_rows(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
+        """The canonical sum at the cost of a ring all-reduce: a reduce-scatter then an all-gather, in which the
+        replica of rank position ``j`` (pipeline ``j``) adds slice ``j`` of the D rows in pipeline order.
+
+        Same values as :meth:`_reduce_rows` (each element is the same fold), half the table's volume twice over:
+        every replica sends and receives ``2 (D - 1) / D`` of its gradients, as a ring all-reduce does.
+        """
+        grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        loss = loss_sum.detach().reshape(1).to(grads[0].dtype) if loss_sum is not None else torch.zeros(1)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
+        d, n = self.pipelines, flat.numel()
+        chunk = -(-n // d)
+        send = torch.zeros(d * chunk)
+        send[:n] = flat
+        received = torch.empty(d * chunk)
+        self._all_to_all_stage(received, send)
+        mine = _fold(received.view(d, chunk)[j] for j in range(d))
+        gathered = [torch.empty(chunk) for _ in range(d)]
+        self._all_gather_stage(gathered, mine)
+        total = torch.cat(gathered)[:n]
+        total_loss = total[n - 1].clone() if loss_sum is not None else None
+        total = total[:n - 1].mul_(1.0 / self.pipelines)
+        offset = 0
+        for p in self.params:
+            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return total_loss
+
     def _reduce_rows(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
+        if self.dp_size > 1 and self._own_row_only():
+            return self._reduce_own_rows(loss_sum)
         rows = self._rows()
         layout = self._layout()
         index = {k: n for n, k in enumerate(layout)}

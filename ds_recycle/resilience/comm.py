@@ -195,6 +195,15 @@ class EpochGroup:
         with self._posting(f"broadcast from rank {src}"):
             return self.pg.broadcast([tensor], opts)
 
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        """Member ``j`` (in rank order) receives the ``j``-th equal slice of every member's ``tensor``."""
+        with self._posting("all-to-all"):
+            return self.pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+        with self._posting("all-gather"):
+            return self.pg.allgather([outputs], [tensor])
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         return self._all_reduce(tensor, dist.ReduceOp.SUM)
 

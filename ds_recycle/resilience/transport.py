@@ -109,6 +109,12 @@ class BoundedOptimizer(StaggeredOptimizer):
             self.after_reduce()
         super().step(iteration, synchronous)
 
+    def _all_to_all_stage(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.stage.all_to_all(output, tensor), f"stage {self.stage} gradient reduce-scatter")
+
+    def _all_gather_stage(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.stage.all_gather(outputs, tensor), f"stage {self.stage} gradient all-gather")
+
     def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
         return self.comm.norm.broadcast(tensor, src)
 

@@ -47,12 +47,33 @@ class _Group:
         self.barrier.wait()
 
 
+    def all_to_all(self, rank: int, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.buffers[rank] = tensor
+        self.barrier.wait()
+        size = len(self.ranks)
+        for j, r in enumerate(self.ranks):
+            output.view(size, -1)[j] = self.buffers[r].view(size, -1)[self.ranks.index(rank)]
+        self.barrier.wait()
+
+    def all_gather(self, rank: int, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.buffers[rank] = tensor
+        self.barrier.wait()
+        for j, r in enumerate(self.ranks):
+            outputs[j].copy_(self.buffers[r])
+        self.barrier.wait()
+
+
 class _Replica(StaggeredOptimizer):
     group: _Group
-    rank: int
 
     def _all_reduce_stage(self, tensor: torch.Tensor) -> None:
         self.group.all_reduce(self.rank, tensor)
+
+    def _all_to_all_stage(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.group.all_to_all(self.rank, output, tensor)
+
+    def _all_gather_stage(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.group.all_gather(self.rank, outputs, tensor)
 
 
 def _weight_grad(seed: int, d: int, i: int, like: torch.Tensor) -> torch.Tensor:
@@ -78,8 +99,8 @@ def _reduced(assign: dict[tuple[int, int], int], seed: int, per_microbatch_rows:
                            served=frozenset(d for (d, _), q in assign.items() if q == r),
                            stage_rerouted=bool(rerouted),
                            rerouted_pipelines=rerouted if per_microbatch_rows else frozenset(),
-                           microbatches=M)
-        stepper.group, stepper.rank = group, r
+                           microbatches=M, rank=r)
+        stepper.group = group
         for (d, i) in sorted(mb for mb, q in assign.items() if q == r):
             with stepper.accumulating_for(d, i):
                 for p in module.parameters():  # autograd's accumulation into .grad
