@@ -197,12 +197,15 @@ class EpochGroup:
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
         """Member ``j`` (in rank order) receives the ``j``-th equal slice of every member's ``tensor``."""
+        pg: Any = self.pg  # torch's stubs for ProcessGroupGloo lack its collectives
         with self._posting("all-to-all"):
-            return self.pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
+            return pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+        """Every member's ``tensor`` into ``outputs``, in rank order."""
+        pg: Any = self.pg
         with self._posting("all-gather"):
-            return self.pg.allgather([outputs], [tensor])
+            return pg.allgather([outputs], [tensor])
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         return self._all_reduce(tensor, dist.ReduceOp.SUM)
