@@ -8,8 +8,10 @@ is the same floating-point number whoever is alive; the cheaper ring order all-r
 values once, in an order that depends on the group (``canonical_order=False``). This script starts D gloo
 processes on this machine, gives each the parameters of stage 0 of the default GPT
 (``configs/gpt_cpu_2x2.json``: embedding and the first half of the blocks, as many parameters as that stage
-holds) with random gradients, and times :meth:`StaggeredOptimizer.reduce` in both orders, alternated, ``reps``
-times each (medians; one compute thread per process, as under ``ds-recycle launch``). The iteration time of
+holds) with random gradients, and times :meth:`StaggeredOptimizer.reduce` in the ring order, the canonical order
+of a failure-free run (reduce-scatter, then all-gather) and the canonical order after a failure (the whole
+table all-reduced), alternated, ``reps`` times each (medians; one compute thread per process, as under
+``ds-recycle launch``). The iteration time of
 the default job with D pipelines, measured separately, puts the difference in proportion (see
 ``benchmarks/results/reduction-order-*.txt``).
 """
@@ -47,16 +49,27 @@ def stage0_shapes() -> list[tuple[int, ...]]:
     return [tuple(p.shape) for spec in first for p in spec.build().parameters()]
 
 
+class _TableOnly(StaggeredOptimizer):
+    """The canonical order through the whole-table all-reduce (the path taken after a failure)."""
+
+    def _own_row_only(self) -> bool:
+        return False
+
+
+MODES = {"ring": (StaggeredOptimizer, False), "canonical": (StaggeredOptimizer, True), "table": (_TableOnly, True)}
+
+
 def _worker(rank: int, world: int, store_path: str, shapes: list[tuple[int, ...]], reps: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     params = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in shapes])
-    times: dict[str, list[float]] = {"ring": [], "canonical": []}
-    for rep in range(2 * reps + 2):
-        canonical = rep % 2 == 1
-        stepper = StaggeredOptimizer(params, torch.optim.SGD(params.parameters(), lr=0.0), stage=0, pipelines=world,
-                                     dp_group=None, dp_ranks=list(range(world)), norm_group=None, max_norm=0.0,
-                                     served=frozenset({rank}), canonical_order=canonical, microbatches=4)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for rep in range(len(MODES) * (reps + 1)):
+        mode = list(MODES)[rep % len(MODES)]
+        cls, canonical = MODES[mode]
+        stepper = cls(params, torch.optim.SGD(params.parameters(), lr=0.0), stage=0, pipelines=world, dp_group=None,
+                      dp_ranks=list(range(world)), norm_group=None, max_norm=0.0, served=frozenset({rank}),
+                      canonical_order=canonical, microbatches=4)
         gen = torch.Generator().manual_seed(rep * 100 + rank)
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
@@ -64,8 +77,8 @@ def _worker(rank: int, world: int, store_path: str, shapes: list[tuple[int, ...]
         t0 = time.perf_counter()
         stepper.reduce(None)
         dt = time.perf_counter() - t0
-        if rep >= 2:  # the first round of each warms gloo's buffers up
-            times["canonical" if canonical else "ring"].append(dt)
+        if rep >= len(MODES):  # the first round of each warms gloo's buffers up
+            times[mode].append(dt)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.barrier()
@@ -92,11 +105,13 @@ def main() -> int:
     print(f"# command: PYTHONPATH=$PWD python benchmarks/reduction_order.py --pipelines "
           f"{' '.join(map(str, args.pipelines))} --reps {args.reps}")
     print(f"# stage 0 of {CONFIG.name}: {numel} parameters ({numel * 4 / 2**20:.1f} MiB of fp32 gradients)")
-    print(f"{'D':>3} {'ring ms':>9} {'canonical ms':>13} {'extra ms':>9} {'ratio':>6}")
+    print("# ring: all-reduce of the replicas' sums (not exact for D > 2); canonical: reduce-scatter + all-gather "
+          "(failure-free runs); table: the whole-table all-reduce (after a failure)")
+    print(f"{'D':>3} {'ring ms':>9} {'canonical ms':>13} {'ratio':>6} {'table ms':>9} {'ratio':>6}")
     for d in args.pipelines:
         t = measure(d, shapes, args.reps)
-        print(f"{d:>3} {t['ring'] * 1e3:>9.1f} {t['canonical'] * 1e3:>13.1f} "
-              f"{(t['canonical'] - t['ring']) * 1e3:>9.1f} {t['canonical'] / t['ring']:>6.2f}")
+        print(f"{d:>3} {t['ring'] * 1e3:>9.1f} {t['canonical'] * 1e3:>13.1f} {t['canonical'] / t['ring']:>6.2f} "
+              f"{t['table'] * 1e3:>9.1f} {t['table'] / t['ring']:>6.2f}")
     return 0
 
 
