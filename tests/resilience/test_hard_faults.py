@@ -303,3 +303,18 @@ def test_misspelt_section_under_the_launcher_is_one_error(tmp_path: Path) -> Non
     job = launch(4, ["--deepspeed_config", str(config), "--steps", "2"], timeout=150)
     assert job.returncode != 0
     assert job.output.count("did you mean 'recycle'?") == 1, job.output[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ manual resume
+@pytest.mark.timeout(300)
+def test_manual_resume_appends_to_the_metrics_with_a_resumed_event(tmp_path: Path) -> None:
+    config, metrics, ckpt = tiny_config(tmp_path, "c", 2, 2), tmp_path / "m.jsonl", tmp_path / "ck"
+    common = ["--deepspeed_config", str(config), "--metrics", str(metrics), "--checkpoint-dir", str(ckpt)]
+    first = launch(4, [*common, "--steps", "4", "--checkpoint-interval", "2"], timeout=150)
+    assert first.returncode == 0, first.output[-3000:]
+    again = launch(4, [*common, "--steps", "5", "--resume"], timeout=150)
+    assert again.returncode == 0, again.output[-3000:]
+    records = _records(metrics)
+    assert [r["iter"] for r in records] == [0, 1, 2, 3, 2, 3, 4], [r["iter"] for r in records]
+    (resumed,) = _events(records, "resumed")
+    assert resumed["iteration"] == 2 and resumed["checkpoint_found"] and records[4]["events"][-1] == resumed
