@@ -22,12 +22,14 @@ A config file is DeepSpeed's JSON plus one extra top-level key, ``"recycle"``::
 """
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ds_recycle.config._strict import parse_dataclass, to_jsonable
+from ds_recycle.config.deepspeed_keys import DEEPSPEED_TOP_LEVEL_KEYS
 from ds_recycle.config.errors import ConfigError
 
 Worker = tuple[int, int]
@@ -83,7 +85,7 @@ class DataConfig:
 
 
 FaultPhase = Literal["forward", "backward-input", "backward-weight", "send", "receive", "all-reduce",
-                     "optimizer-step", "idle"]
+                     "optimizer-step", "idle", "join-request", "join-groups", "join-transfer", "join-first-iteration"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class FaultConfig:
     """One injected failure: ``{"worker": [pipeline, stage], "iteration": N, "phase": "forward"}``.
 
     The worker dies by SIGKILL the first time it enters ``phase`` in iteration ``N`` (0-based). Only
-    ``ds-recycle launch`` keeps the other workers alive (see ``docs/failures.md``).
+    ``ds-recycle launch`` keeps the other workers alive (see ``docs/failures.md``). The ``join-*`` phases are
+    steps of a restarted worker's admission, and ``N`` is then the restart count of the life in which it dies.
     """
 
     worker: tuple[int, int]
@@ -229,6 +232,7 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
     if not isinstance(source, dict):
         raise ConfigError("<top>", "the config is not a JSON object", "write the config as {...}")
     raw = dict(source)
+    _check_top_level_keys(raw)
     recycle = parse_dataclass(RecycleConfig, raw.pop("recycle", {}), "recycle")
     if recycle.model.n_layer < recycle.stages:
         raise ConfigError("recycle.model.n_layer", f"{recycle.model.n_layer} blocks cannot fill {recycle.stages} "
@@ -243,6 +247,16 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
     raw.setdefault("steps_per_print", 10**9)
     return TrainConfig(recycle=recycle, deepspeed=raw, optimizer_type=opt_type, optimizer_params=opt_params,
                        micro_batch_size=mbs, micro_batches=gas, gradient_clipping=float(clip), path=path)
+
+
+def _check_top_level_keys(raw: dict[str, Any]) -> None:
+    """Refuse a top-level key that is neither DeepSpeed's nor ours (DeepSpeed would ignore it silently)."""
+    known = DEEPSPEED_TOP_LEVEL_KEYS | {"recycle"}
+    for key in raw:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "neither DeepSpeed 0.19.8 nor ds_recycle reads it"
+            raise ConfigError(key, "unknown top-level key", f"remove it or correct it ({hint})")
 
 
 def _required_int(raw: dict[str, Any], key: str) -> int:

@@ -43,7 +43,8 @@ from ds_recycle.engine.state import gather_state_dict
 from ds_recycle.engine.tied import reduce_tied, tied_members, tied_weights
 from ds_recycle.runtime.grid import SurvivorGrid
 
-__all__ = ["IterationProgress", "MicroBatchSourceLike", "RecyclePipelineEngine", "served_pipelines"]
+__all__ = ["IterationProgress", "MicroBatchSourceLike", "RecyclePipelineEngine", "rerouted_pipelines",
+           "served_pipelines"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,12 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def rerouted_pipelines(plan: PlanLike, stage: int) -> frozenset[int]:
+    """Pipelines some of whose micro-batches ``stage`` processes on a worker of another pipeline."""
+    return frozenset(d for d in range(plan.pipelines) for i in range(plan.microbatches)
+                     if plan.worker_of(stage, (d, i))[0] != d)
+
+
 @contextlib.contextmanager
 def _without_pipe_handshake() -> Iterator[None]:
     """Skip ``PipelineEngine.__init__``'s warm-up send to the same-pipeline neighbour (absent with holes)."""
@@ -141,7 +148,8 @@ class RecyclePipelineEngine(PipelineEngine):
             dp_group=self.grid.get_data_parallel_group(), dp_ranks=self.grid.get_data_parallel_group_ranks(),
             norm_group=self.grid.norm_group, max_norm=self.gradient_clipping(), scope=clip_scope,
             lr_scheduler=self.lr_scheduler, served=served, stage_rerouted=stage_rerouted,
-            norm_source=min(self.workers.stage_ranks(0)))
+            norm_source=min(self.workers.stage_ranks(0)), rerouted_pipelines=rerouted_pipelines(plan, self.stage_id),
+            microbatches=self.micro_batches)
         self.reporter_rank = min(self.workers.stage_ranks(self.num_stages - 1))
         self.tied = tied_weights(self.module)
         """Parameters this stage shares with other stages (``TiedLayerSpec``; :mod:`ds_recycle.engine.tied`)."""
@@ -505,7 +513,7 @@ class RecyclePipelineEngine(PipelineEngine):
         assert slot.output is not None, f"B of {micro_batch} before its F"
         stage_input = None if self.is_first_stage() else slot.inputs
         if weights:
-            with self.stepper.accumulating_for(micro_batch[0]):
+            with self.stepper.accumulating_for(*micro_batch):
                 slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture)
             slot.weight_work = WeightGradWork([])
             self.progress.w_done.add(slot.mb)
@@ -527,7 +535,7 @@ class RecyclePipelineEngine(PipelineEngine):
         slot = self.slots.pop(buffer_id)
         assert slot.weight_work is not None, f"W of {micro_batch} before its B"
         if slot.weight_work.passes:
-            with self.stepper.accumulating_for(micro_batch[0]):
+            with self.stepper.accumulating_for(*micro_batch):
                 slot.weight_work.run()
         self.progress.w_done.add(slot.mb)
 

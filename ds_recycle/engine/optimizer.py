@@ -9,8 +9,15 @@ Semantics (each stage, each iteration):
    ``allreduce_bucket`` (sum, then ``mul_(1/D)``). The last stage appends its loss sum to the same buffer.
    When a worker of the stage serves several pipelines (re-routing), it keeps one gradient sum *per owner
    pipeline* (:meth:`StaggeredOptimizer.accumulating_for`); the replicas all-reduce a ``[D, N]`` table in
-   which each row is non-zero on one rank only (so the sum is exact) and add the rows in pipeline order,
-   which is the order DeepSpeed's all-reduce adds the replicas' sums (exact for D = 2).
+   which each row is non-zero on one rank only (so the all-reduce adds only zeros to it: exact) and add the
+   rows in pipeline order. With D = 2 that equals DeepSpeed's all-reduce of the two replicas' sums bit for
+   bit (``a + b == b + a``). With D > 2 the all-reduce's own order (gloo's ring, which depends on each
+   replica's position in the group) is not the pipeline order, so the table is used with or without
+   re-routing (``canonical_order``): the stage gradient is then the same floating-point sum for every
+   membership, and a run with failures ends at the failure-free model bit for bit. While every pipeline has
+   its own replica (no failure), the same sums come from a reduce-scatter and an all-gather in which each
+   replica adds one slice of the rows in pipeline order: the volume of a ring all-reduce. After a failure the
+   table is all-reduced whole (D times the volume). ``benchmarks/reduction_order.py`` measures both.
 2. **Clipping as DeepSpeed 0.19.8 does it.** DeepSpeed's ``clip_grad_norm_`` sums squared per-parameter
    norms over the pipeline group but counts only parameters of model-parallel rank 0, which for a
    ``PipelineModule`` is the *first stage*; it then averages the norm over the data-parallel group and
@@ -36,7 +43,7 @@ import contextlib
 import copy
 import enum
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +56,19 @@ __all__ = ["ClipScope", "StepOutcome", "StaggeredOptimizer"]
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-6  # DeepSpeed's clip_grad_norm_ epsilon
+
+RowKey = tuple[int, int]
+"""A gradient row: ``(pipeline, -1)`` for a pipeline's own sum, ``(pipeline, microbatch)`` for one re-routed
+micro-batch."""
+
+
+def _fold(rows: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``((r0 + r1) + r2) + ...``: the one fixed order every membership adds the rows in."""
+    it = iter(rows)
+    total = next(it).clone()
+    for row in it:
+        total = total + row
+    return total
 
 
 class ClipScope(enum.Enum):
@@ -89,7 +109,9 @@ class StaggeredOptimizer:
                  dp_group: Any, dp_ranks: list[int], norm_group: Any, max_norm: float,
                  scope: ClipScope = ClipScope.FIRST_STAGE, lr_scheduler: Any = None,
                  served: frozenset[int] = frozenset(), stage_rerouted: bool = False,
-                 norm_source: int = 0) -> None:
+                 norm_source: int = 0, canonical_order: bool = True,
+                 rerouted_pipelines: frozenset[int] = frozenset(), microbatches: int = 1,
+                 rank: int | None = None) -> None:
         self.module = module
         self.optimizer = optimizer
         self.stage = stage
@@ -101,7 +123,9 @@ class StaggeredOptimizer:
         self.scope = scope
         self.lr_scheduler = lr_scheduler
         self.counts = scope is ClipScope.WHOLE_MODEL or stage == 0
-        self.representative = dist.get_rank() == min(dp_ranks)
+        self.rank = dist.get_rank() if rank is None else rank
+        """This worker's global rank."""
+        self.representative = self.rank == min(dp_ranks)
         self.norm_source = norm_source
         """Global rank that broadcasts the first stage's norm (``FIRST_STAGE``): its first live replica."""
         self._source_work: Any = None
@@ -117,12 +141,30 @@ class StaggeredOptimizer:
         """Owner pipelines of the micro-batches this worker processes."""
         self.stage_rerouted = stage_rerouted
         """True when some replica of this stage serves more than one pipeline (per-pipeline sums needed)."""
-        self._bank: dict[int, list[torch.Tensor | None]] = {}
+        self._bank: dict[RowKey, list[torch.Tensor | None]] = {}
+        self.canonical_order = canonical_order
+        """With more than 2 pipelines, reduce per-owner-pipeline rows added in pipeline order (the same sum
+        whoever is alive) rather than the replicas' sums in the all-reduce's ring order (its rounding changes
+        with the membership)."""
+        self.rerouted_pipelines = rerouted_pipelines
+        """Pipelines whose micro-batches at this stage are processed by workers of other pipelines (its owner
+        is absent): each such micro-batch's weight gradient is a row of its own, wherever it is computed."""
+        self.microbatches = microbatches
+        self.dp_ranks = sorted(dp_ranks)
 
     # Communication hooks: a subclass routes them through other groups (e.g. bounded, per-epoch ones).
     def _all_reduce_stage(self, tensor: torch.Tensor) -> None:
         """SUM ``tensor`` in place over the stage's live replicas (blocking)."""
         dist.all_reduce(tensor, group=self.dp_group)
+
+    def _all_to_all_stage(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Replica ``j`` receives the ``j``-th of ``len(dp_ranks)`` equal slices of every replica's ``tensor``,
+        in rank order, in ``output`` (blocking)."""
+        dist.all_to_all_single(output, tensor, group=self.dp_group)
+
+    def _all_gather_stage(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every replica's ``tensor`` into ``outputs``, in rank order (blocking)."""
+        dist.all_gather(outputs, tensor, group=self.dp_group)
 
     def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
         """Post the broadcast of the norm from global rank ``src`` over the norm group; returns the work."""
@@ -136,13 +178,23 @@ class StaggeredOptimizer:
         """Wait for an operation posted by the two methods above."""
         work.wait()
 
+    def _key(self, pipeline: int, microbatch: int) -> RowKey:
+        """The gradient row micro-batch ``(pipeline, microbatch)`` accumulates into."""
+        return (pipeline, microbatch) if pipeline in self.rerouted_pipelines else (pipeline, -1)
+
+    @property
+    def _banked(self) -> bool:
+        """Whether weight gradients go to per-row banks rather than straight into ``p.grad``."""
+        return len(self.served) > 1 or bool(self.served & self.rerouted_pipelines)
+
     @contextlib.contextmanager
-    def accumulating_for(self, pipeline: int) -> Iterator[None]:
-        """Inside, weight gradients accumulate into ``pipeline``'s own sum (only when serving several)."""
-        if len(self.served) <= 1:
+    def accumulating_for(self, pipeline: int, microbatch: int = -1) -> Iterator[None]:
+        """Inside, weight gradients accumulate into their row: the owner pipeline's sum, or, for a micro-batch
+        re-routed away from its owner, a row of its own (only when banked, see :meth:`_banked`)."""
+        if not self._banked:
             yield
             return
-        bank = self._bank.setdefault(pipeline, [None] * len(self.params))
+        bank = self._bank.setdefault(self._key(pipeline, microbatch), [None] * len(self.params))
         for p, g in zip(self.params, bank):
             p.grad = g
         try:
@@ -152,35 +204,41 @@ class StaggeredOptimizer:
                 bank[n] = p.grad
                 p.grad = None
 
-    def partial_rows(self) -> dict[int, list[torch.Tensor | None]]:
-        """The weight gradients accumulated so far in this iteration, per owner pipeline (not consumed)."""
-        if len(self.served) <= 1:
-            return {d: [p.grad for p in self.params] for d in self.served}
-        return {d: list(grads) for d, grads in self._bank.items()}
+    def partial_rows(self) -> dict[RowKey, list[torch.Tensor | None]]:
+        """The weight gradients accumulated so far in this iteration, per row (not consumed)."""
+        if not self._banked:
+            return {(d, -1): [p.grad for p in self.params] for d in self.served}
+        return {k: list(grads) for k, grads in self._bank.items()}
 
-    def adopt_rows(self, rows: dict[int, list[torch.Tensor | None]]) -> None:
+    def adopt_rows(self, rows: dict[RowKey, list[torch.Tensor | None]]) -> None:
         """Continue accumulating from ``rows`` (another stepper's :meth:`partial_rows` on the same parameters)."""
-        unknown = set(rows) - set(self.served)
+        unknown = {d for d, _ in rows} - set(self.served)
         if unknown:
             raise ValueError(f"gradient sums of pipelines {sorted(unknown)} handed to a worker that serves "
                              f"{sorted(self.served)}")
-        if len(self.served) <= 1:
-            own = rows.get(next(iter(self.served))) if self.served else None
+        if not self._banked:
+            own = next(iter(rows.values()), None)
             for n, p in enumerate(self.params):
                 p.grad = own[n] if own is not None else None
             return
-        self._bank = {d: list(grads) for d, grads in rows.items()}
+        self._bank = {self._key(d, i): list(grads) for (d, i), grads in rows.items()}
         for p in self.params:
             p.grad = None
 
-    def _rows(self) -> dict[int, list[torch.Tensor]]:
-        """This worker's gradient sum per owner pipeline."""
-        if len(self.served) <= 1:
+    def _layout(self) -> list[RowKey]:
+        """Rows of the reduction table, in the order they are added: pipeline by pipeline, and within a
+        re-routed pipeline micro-batch by micro-batch (the order its owner accumulates them in)."""
+        return [(d, i) for d in range(self.pipelines)
+                for i in (range(self.microbatches) if d in self.rerouted_pipelines else (-1,))]
+
+    def _rows(self) -> dict[RowKey, list[torch.Tensor]]:
+        """This worker's gradient rows."""
+        if not self._banked:
             grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            return {pipeline: grads for pipeline in self.served} or {0: grads}
+            return {(pipeline, -1): grads for pipeline in self.served} or {(0, -1): grads}
         bank = self._bank  # emptied once the all-reduce succeeded: a failure during it leaves the sums intact
-        return {d: [g if g is not None else torch.zeros_like(p) for g, p in zip(bank.get(d, [None] * len(self.params)),
-                                                                             self.params)] for d in self.served}
+        return {k: [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params)]
+                for k, grads in bank.items()}
 
     # 1. gradient all-reduce
     def reduce(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
@@ -188,7 +246,7 @@ class StaggeredOptimizer:
 
         Returns the summed loss over the stage's replicas (None when ``loss_sum`` is None).
         """
-        if self.stage_rerouted:
+        if self.stage_rerouted or (self.canonical_order and self.pipelines > 2):
             return self._reduce_rows(loss_sum)
         for p in self.params:
             if p.grad is None:
@@ -207,20 +265,56 @@ class StaggeredOptimizer:
             offset += g.numel()
         return total_loss
 
+    def _own_row_only(self) -> bool:
+        """Every pipeline has its own live replica, which holds only its own row (failure-free, D > 2)."""
+        if self._banked or self.rerouted_pipelines or len(self.dp_ranks) != self.pipelines:
+            return False
+        return self.served == {self.dp_ranks.index(self.rank)}
+
+    def _reduce_own_rows(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
+        """The canonical sum at the cost of a ring all-reduce: a reduce-scatter then an all-gather, in which the
+        replica of rank position ``j`` (pipeline ``j``) adds slice ``j`` of the D rows in pipeline order.
+
+        Same values as :meth:`_reduce_rows` (each element is the same fold), half the table's volume twice over:
+        every replica sends and receives ``2 (D - 1) / D`` of its gradients, as a ring all-reduce does.
+        """
+        grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        loss = loss_sum.detach().reshape(1).to(grads[0].dtype) if loss_sum is not None else torch.zeros(1)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
+        d, n = self.pipelines, flat.numel()
+        chunk = -(-n // d)
+        send = torch.zeros(d * chunk)
+        send[:n] = flat
+        received = torch.empty(d * chunk)
+        self._all_to_all_stage(received, send)
+        mine = _fold(received.view(d, chunk)[j] for j in range(d))
+        gathered = [torch.empty(chunk) for _ in range(d)]
+        self._all_gather_stage(gathered, mine)
+        total = torch.cat(gathered)[:n]
+        total_loss = total[n - 1].clone() if loss_sum is not None else None
+        total = total[:n - 1].mul_(1.0 / self.pipelines)
+        offset = 0
+        for p in self.params:
+            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return total_loss
+
     def _reduce_rows(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
+        if self.dp_size > 1 and self._own_row_only():
+            return self._reduce_own_rows(loss_sum)
         rows = self._rows()
+        layout = self._layout()
+        index = {k: n for n, k in enumerate(layout)}
         numel = sum(p.numel() for p in self.params)
-        table = torch.zeros(self.pipelines, numel + 1)
-        for d, grads in rows.items():
-            table[d, :numel] = torch.cat([g.reshape(-1) for g in grads])
+        table = torch.zeros(len(layout), numel + 1)
+        for key, grads in rows.items():
+            table[index[key], :numel] = torch.cat([g.reshape(-1) for g in grads])
         if loss_sum is not None:
             table[0, numel] = loss_sum.detach().reshape(())
         if self.dp_size > 1:
             self._all_reduce_stage(table)
         self._bank = {}
-        flat = table[0].clone()
-        for d in range(1, self.pipelines):
-            flat = flat + table[d]
+        flat = _fold(_fold(table[index[(d_, i)]] for d_, i in layout if d_ == d) for d in range(self.pipelines))
         total_loss = flat[numel].clone() if loss_sum is not None else None
         flat = flat[:numel].mul_(1.0 / self.pipelines)
         offset = 0

@@ -24,6 +24,15 @@ Keys the launchers write (the failure handler of the workers reads them; all val
 ``ds_recycle/restart_result/<r>``   the answer to the latest request for rank r: the JSON of a
                                     :class:`~ds_recycle.launcher.restart_requests.RestartResult` (request id,
                                     restarted or refused and why, the new pid, the restart count).
+``ds_recycle/fence/<r>``            ``"<n> <reason>"``: rank r's process of restart count n is hung (its heartbeat
+                                    stopped); its launcher SIGKILLs it and reports its death as usual, then
+                                    deletes the key. Written by a member's watchdog, then ``fence_requests``
+                                    is incremented.
+``ds_recycle/restart_all``          ``"<g>"``: the job falls back to its checkpoint as generation g. Every launcher
+                                    starts each of its ranks again once it is lost (at once, within
+                                    ``--max_restarts``), whether or not ``--restart_failed_after`` is set.
+``ds_recycle/fence_requests``       counter (``store.add``) of fence requests so far, polled like
+                                    ``restart_requests``.
 ==================================  ==============================================================================
 
 Workers reach the store at ``DS_RECYCLE_STORE`` (``host:port``, the same as ``MASTER_ADDR:MASTER_PORT``);
@@ -38,17 +47,24 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported only when a store is opened, so the key names cost nothing to import
     from torch.distributed import Store, TCPStore
 
-__all__ = ["EXITS_KEY", "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY", "connect_store", "exit_key",
-           "host_store", "node_key", "read_int", "restart_request_key", "restart_result_key", "restarted_key"]
+__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "RESTART_ALL_KEY", "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY",
+           "connect_store", "exit_key",
+           "fence_key", "host_store", "node_key", "read_int", "restart_request_key", "restart_result_key", "restarted_key"]
 
 EXITS_KEY = "ds_recycle/exits"
 STOP_KEY = "ds_recycle/stop"
 WORLD_SIZE_KEY = "ds_recycle/world_size"
 RESTART_REQUESTS_KEY = "ds_recycle/restart_requests"
+FENCE_REQUESTS_KEY = "ds_recycle/fence_requests"
+RESTART_ALL_KEY = "ds_recycle/restart_all"
 
 
 def exit_key(rank: int) -> str:
     return f"ds_recycle/exit/{rank}"
+
+
+def fence_key(rank: int) -> str:
+    return f"ds_recycle/fence/{rank}"
 
 
 def node_key(node_rank: int) -> str:

@@ -21,6 +21,7 @@ from types import FrameType, TracebackType
 from torch.distributed import Store
 
 from ds_recycle.launcher import store as keys
+from ds_recycle.launcher.fencing import poll_fence_requests
 from ds_recycle.launcher.job import JobSpec
 from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
@@ -108,6 +109,9 @@ class Supervisor:
         self._signal: signal.Signals | None = None
         self._next_stop_poll = 0.0
         self._requests_seen = 0
+        self._fences_seen = 0
+        self._restart_all_seen = 0
+        self._restart_all_pending: set[int] = set()
         self._lingering = False
         self._t0 = time.monotonic()
 
@@ -194,6 +198,9 @@ class Supervisor:
             self._publish_exit(exit)
         if self._stop_reason is not None:
             return
+        if exit.rank in self._restart_all_pending and exit.kind is ExitKind.LOST:
+            self._restart_for_fallback(exit.rank)
+            return
         action = decide(exit, self.job.policy)
         if action is Action.RESTART:
             assert exit.rank is not None and self.job.policy.restart_after_s is not None
@@ -245,6 +252,8 @@ class Supervisor:
             if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
                 self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
             self._poll_restart_requests()
+            self._fences_seen = poll_fence_requests(self.store, self.workers, self._fences_seen)
+            self._poll_restart_all()
             if self.others is not None:
                 self._poll_others(self.others)
         except (RuntimeError, OSError) as err:
@@ -255,6 +264,30 @@ class Supervisor:
                     logger.info("the store of node 0 is gone (%s); no worker of this node runs: done", err)
                 elif self._stop_reason is None:
                     self._stop(f"lost the store of node 0 ({err})")
+
+    def _poll_restart_all(self) -> None:
+        """A fallback to the checkpoint (``ds_recycle/restart_all``): start every rank of this node again once lost."""
+        generation = keys.read_int(self.store, keys.RESTART_ALL_KEY)
+        if generation is None or generation <= self._restart_all_seen or self._stop_reason is not None:
+            return
+        self._restart_all_seen = generation
+        logger.warning("the job falls back to its checkpoint (generation %d): restarting every rank of this node "
+                       "once it is lost", generation)
+        self._reap()
+        self._restart_all_pending = set(self.workers)
+        for rank, worker in sorted(self.workers.items()):
+            last = next((e for e in reversed(self.exits) if e.rank == rank), None)
+            if not worker.running and last is not None and last.kind is ExitKind.LOST:
+                self._restart_for_fallback(rank)
+
+    def _restart_for_fallback(self, rank: int) -> None:
+        self._restart_all_pending.discard(rank)
+        self._restart_at.pop(rank, None)
+        if self.workers[rank].restart_count >= self.job.policy.max_restarts:
+            logger.error("rank %d cannot restart for the fallback: it used its %d restarts (--max_restarts)", rank,
+                         self.job.policy.max_restarts)
+            return
+        self._restart(rank)
 
     def _poll_others(self, others: OtherNodes) -> None:
         missing = others.missing_nodes() if self._stop_reason is None else []

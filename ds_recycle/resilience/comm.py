@@ -6,28 +6,33 @@ membership change: each epoch builds fresh gloo groups over a prefix of the laun
 ranks renumbered among the members, and abandons the old ones (kept referenced, never destroyed, so
 that no destructor waits on a blocked gloo thread).
 
-Every wait is :func:`bounded_wait`: it polls the operation and a :class:`FailureProbe` (the launcher's
-exit counter, cheap to read) until the operation completes, a worker exits anywhere in the job, or the
-deadline passes; the last two raise :class:`PeerFailure` within milliseconds of the event.
+Every wait is :func:`bounded_wait`: it blocks until the operation completes, the worker's watchdog
+(:mod:`ds_recycle.resilience.watchdog`) declares a member exited or hung, or the deadline passes; the last
+two raise :class:`PeerFailure` (within milliseconds of a launcher's exit report, within
+``heartbeat_stale_s`` of a hung member's last heartbeat).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ds_recycle.resilience.store import StoreKeys, incarnation
 
+if TYPE_CHECKING:
+    from ds_recycle.resilience.watchdog import Watchdog
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["EpochGroup", "FailureProbe", "PeerFailure", "Work", "bounded_wait"]
+__all__ = ["EpochGroup", "FailureProbe", "PeerFailure", "ThreadedWork", "Work", "bounded_wait"]
 
 
 class PeerFailure(RuntimeError):
@@ -57,6 +62,8 @@ class FailureProbe:
     incarnations: dict[int, int] = field(default_factory=dict)
     """Each member's restart count when the epoch began: a member restarted since then died in between, even
     when its exit key is already gone again (the launcher deletes it when it restarts the rank)."""
+    watchdog: Watchdog | None = None
+    """The worker's watchdog, armed with the same members: its trip counts as a failure here too."""
     _count: int = -1
 
     def arm(self, members: Sequence[int]) -> FailureProbe:
@@ -67,6 +74,8 @@ class FailureProbe:
         return self
 
     def failed(self) -> bool:
+        if self.watchdog is not None and self.watchdog.tripped():
+            return True
         count = int(self.store.add(self.keys.exits, 0))
         if count == self._count:
             return False
@@ -75,18 +84,80 @@ class FailureProbe:
                    for r, n in self.incarnations.items())
 
 
+class ThreadedWork:
+    """Any gloo work made waitable on an event: a daemon thread blocks in its ``wait()``.
+
+    Gloo's point-to-point works report ``is_completed() == False`` until someone calls ``wait()``, and a
+    ``wait(timeout)`` that expires closes the connection, so they cannot be waited for with a deadline from the
+    training thread. If the peer is stuck for good, the thread stays blocked inside the abandoned group until
+    the group's own timeout.
+    """
+
+    def __init__(self, work: Work) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._waiters: list[threading.Event] = []
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(work,), name="gloo-wait", daemon=True).start()
+
+    def _run(self, work: Work) -> None:
+        try:
+            work.wait()
+        except BaseException as e:  # reported to the waiting thread by wait()
+            self._error = e
+        finally:
+            with self._lock:
+                self._done.set()
+                waiters = list(self._waiters)
+            for event in waiters:
+                event.set()
+
+    def notify(self, event: threading.Event) -> None:
+        """Set ``event`` when the work completes (at once if it has)."""
+        with self._lock:
+            self._waiters.append(event)
+            if self._done.is_set():
+                event.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(str(self._error)) from self._error
+        return True
+
+
 def bounded_wait(work: Work, probe: FailureProbe | None, timeout_s: float, what: str,
-                 poll_s: float = 0.0005) -> None:
-    """Wait for ``work``; raise :class:`PeerFailure` on a worker exit or after ``timeout_s``."""
+                 poll_s: float = 0.01) -> None:
+    """Wait for ``work``; raise :class:`PeerFailure` on a member's failure or after ``timeout_s``.
+
+    The waiting thread blocks on an event set by the work's completion or, when ``probe`` has a
+    :class:`~ds_recycle.resilience.watchdog.Watchdog`, by its trip (a member exited or hung). Without a
+    watchdog it wakes every ``poll_s`` to read the probe.
+    """
+    if work.is_completed():
+        _finish(work, what)
+        return
     deadline = time.monotonic() + timeout_s
-    checks = 0
-    while not work.is_completed():
-        checks += 1
-        if probe is not None and checks % 20 == 0 and probe.failed():
-            raise PeerFailure(f"{what}: a worker exited while waiting")
-        if time.monotonic() > deadline:
-            raise PeerFailure(f"{what}: no completion within {timeout_s} s (raise the timeout if peers are slow)")
-        time.sleep(poll_s)
+    threaded = work if isinstance(work, ThreadedWork) else ThreadedWork(work)
+    watchdog = probe.watchdog if probe is not None else None
+    wake = threading.Event()
+    threaded.notify(wake)
+    with watchdog.waking(wake) if watchdog is not None else contextlib.nullcontext():
+        while not threaded.is_completed():
+            if probe is not None and probe.failed():
+                reason = watchdog.declared.reason if watchdog is not None and watchdog.declared else "a worker exited"
+                raise PeerFailure(f"{what}: {reason} while waiting")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerFailure(f"{what}: no completion within {timeout_s} s (raise the timeout if peers are slow)")
+            wake.wait(remaining if watchdog is not None else min(remaining, poll_s))
+    _finish(threaded, what)
+
+
+def _finish(work: Work, what: str) -> None:
     try:
         work.wait()
     except RuntimeError as e:  # gloo reports the dead pair ("Connection closed by peer", "Read error")
@@ -123,6 +194,18 @@ class EpochGroup:
         opts.rootTensor = 0
         with self._posting(f"broadcast from rank {src}"):
             return self.pg.broadcast([tensor], opts)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        """Member ``j`` (in rank order) receives the ``j``-th equal slice of every member's ``tensor``."""
+        pg: Any = self.pg  # torch's stubs for ProcessGroupGloo lack its collectives
+        with self._posting("all-to-all"):
+            return pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+        """Every member's ``tensor`` into ``outputs``, in rank order."""
+        pg: Any = self.pg
+        with self._posting("all-gather"):
+            return pg.allgather([outputs], [tensor])
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         return self._all_reduce(tensor, dist.ReduceOp.SUM)

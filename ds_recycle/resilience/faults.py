@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FaultInjector", "FaultSpec", "Phase", "parse_fault"]
+__all__ = ["JOIN_PHASES", "FaultInjector", "FaultSpec", "Phase", "parse_fault"]
 
 
 class Phase(enum.Enum):
@@ -40,6 +40,19 @@ class Phase(enum.Enum):
     """During the optimizer step, after the all-reduce."""
     IDLE = "idle"
     """At the start of the iteration, before the worker's first operation."""
+    JOIN_REQUEST = "join-request"
+    """A restarted worker, just after it filed its join request (for these ``join-*`` phases the fault's
+    iteration is the restart count of the life in which the worker dies)."""
+    JOIN_GROUPS = "join-groups"
+    """A restarted worker admitted by the members, before it connects to the join's groups."""
+    JOIN_TRANSFER = "join-transfer"
+    """A restarted worker with its groups built, before it receives its stage's state."""
+    JOIN_FIRST_ITERATION = "join-first-iteration"
+    """A restarted worker that joined, at its first forward pass in the running job."""
+
+
+JOIN_PHASES = frozenset({Phase.JOIN_REQUEST, Phase.JOIN_GROUPS, Phase.JOIN_TRANSFER, Phase.JOIN_FIRST_ITERATION})
+"""Phases of a restarted worker's admission."""
 
 
 @dataclass(frozen=True)

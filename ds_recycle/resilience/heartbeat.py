@@ -11,10 +11,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ds_recycle.resilience.store import StoreKeys, incarnation
+
+if TYPE_CHECKING:
+    from ds_recycle.resilience.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +57,11 @@ class Heartbeat:
 class Liveness:
     """Judges ranks alive or dead from the launcher's exit keys and from heartbeat progress."""
 
-    def __init__(self, store: dist.Store, stale_after_s: float = 1.5, keys: StoreKeys = StoreKeys()) -> None:
+    def __init__(self, store: dist.Store, stale_after_s: float = 1.5, keys: StoreKeys = StoreKeys(),
+                 watchdog: Watchdog | None = None) -> None:
         self.store = store
+        self.watchdog = watchdog
+        """This worker's watchdog: a rank it declared hung (and had fenced) is dead at once."""
         self.stale_after_s = stale_after_s
         self.keys = keys
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
@@ -80,4 +87,5 @@ class Liveness:
         return rank in self.incarnations and incarnation(self.store, self.keys, rank) != self.incarnations[rank]
 
     def dead(self, rank: int) -> bool:
-        return self.exited(rank) or self.restarted(rank) or self.stale(rank)
+        hung = self.watchdog is not None and rank in self.watchdog.hung
+        return hung or self.exited(rank) or self.restarted(rank) or self.stale(rank)

@@ -5,7 +5,9 @@ The protocol, over the launcher's store (keys under the generation's root, see
 
 1. The restarted process (a *joiner*) builds its engine on a detached WORLD
    (:mod:`ds_recycle.resilience.detached`), then files a request: ``n = add(join/requests, 1)``,
-   ``join/request/<n> = rank``.
+   ``join/request/<n> = "<rank> <restart count>"`` (the members watch that very process while they admit it:
+   if it dies at any step of its admission, or was restarted again meanwhile, the admission is an ordinary
+   failure, the members go on without it and its next process may file again).
 2. The members look at the request counter at every iteration boundary (after the previous optimizer step
    is final) and take its maximum over the epoch's norm group, so every member sees the same count at the
    same boundary, whatever its local store reading. When it grew, requests up to that count are admitted:
@@ -36,7 +38,7 @@ from ds_recycle.resilience.snapshot import StageSnapshot
 from ds_recycle.resilience.store import StoreKeys
 from ds_recycle.resilience.transport import EpochComm
 
-__all__ = ["JobClosed", "JoinTicket", "decide_requests", "file_request", "stage_sources", "transfer_stage_state",
+__all__ = ["JobClosed", "JoinTicket", "decide_requests", "file_request", "read_request", "stage_sources", "transfer_stage_state",
            "wait_for_ticket", "write_tickets"]
 
 logger = logging.getLogger(__name__)
@@ -75,12 +77,18 @@ class JoinTicket:
         return cls(**{**raw, "members": tuple(raw["members"]), "joining": tuple(raw["joining"])})
 
 
-def file_request(store: dist.Store, keys: StoreKeys, rank: int) -> int:
-    """File this rank's join request; its number."""
+def file_request(store: dist.Store, keys: StoreKeys, rank: int, restart_count: int = 0) -> int:
+    """File this rank's join request (``"<rank> <restart count>"``: which process asks); its number."""
     number = int(store.add(keys.join_requests, 1))
-    store.set(keys.join_request(number), str(rank))
-    logger.info("join request %d filed for rank %d", number, rank)
+    store.set(keys.join_request(number), f"{rank} {restart_count}")
+    logger.info("join request %d filed for rank %d (restart %d)", number, rank, restart_count)
     return number
+
+
+def read_request(store: dist.Store, keys: StoreKeys, number: int) -> tuple[int, int]:
+    """``(rank, restart count)`` of join request ``number``: the process that filed it."""
+    rank, _, count = store.get(keys.join_request(number)).decode().partition(" ")
+    return int(rank), int(count or 0)
 
 
 def wait_for_ticket(store: dist.Store, keys: StoreKeys, number: int, timeout_s: float,
@@ -111,7 +119,7 @@ def decide_requests(store: dist.Store, keys: StoreKeys, upto: int, after: int, m
     """
     latest: dict[int, int] = {}
     for number in range(after + 1, upto + 1):
-        rank = int(store.get(keys.join_request(number)))
+        rank, _ = read_request(store, keys, number)
         if rank in members or rank not in job_ranks:
             logger.warning("join request %d of rank %d refused: %s", number, rank,
                            "a member already" if rank in members else "no worker of this job has that rank")

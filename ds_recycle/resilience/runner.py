@@ -33,14 +33,15 @@ import torch.distributed as dist
 
 from ds_recycle.config.job import JobConfig
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.engine import IterationProgress, RecyclePipelineEngine, served_pipelines
+from ds_recycle.engine.engine import IterationProgress, RecyclePipelineEngine, rerouted_pipelines, served_pipelines
 from ds_recycle.engine.schedule import rerouted_microbatches
 from ds_recycle.engine.state import cpu_state_dict, merge_in_layer_order
 from ds_recycle.engine.tied import tied_members
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
 from ds_recycle.resilience.comm import EpochGroup, PeerFailure
-from ds_recycle.resilience.faults import FaultInjector, FaultSpec, Phase
+from ds_recycle.resilience.fallback import carried_events, carry_events, request_restart_all
+from ds_recycle.resilience.faults import JOIN_PHASES, FaultInjector, FaultSpec, Phase
 from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
 from ds_recycle.resilience.membership import MembershipError, agree_members
 from ds_recycle.resilience.regroup import EpochGrid
@@ -49,6 +50,7 @@ from ds_recycle.resilience.rejoin import (
     JoinTicket,
     decide_requests,
     file_request,
+    read_request,
     stage_sources,
     transfer_stage_state,
     wait_for_ticket,
@@ -56,8 +58,9 @@ from ds_recycle.resilience.rejoin import (
 )
 from ds_recycle.resilience.salvage import Report, decide, redo_point
 from ds_recycle.resilience.snapshot import SnapshotRing
-from ds_recycle.resilience.store import StoreKeys, connect_store
+from ds_recycle.resilience.store import StoreKeys, connect_store, incarnation
 from ds_recycle.resilience.transport import BoundedChannel, BoundedOptimizer, EpochComm
+from ds_recycle.resilience.watchdog import Watchdog, run_guarded, watch_members
 from ds_recycle.runtime.grid import WorkerMap
 
 __all__ = ["ResilientRunner", "faults_of"]
@@ -95,7 +98,9 @@ class ResilientRunner:
         self.keys = StoreKeys(root=f"ds_recycle/gen{self.generation}") if self.generation else StoreKeys()
         self.heartbeat = Heartbeat(lambda: connect_store(timeout_s=rc.failure_timeout_s), self.rank,
                                    keys=self.keys).start()
-        self.liveness = Liveness(self.store, rc.heartbeat_stale_s, keys=self.keys)
+        self.watchdog = Watchdog(lambda: connect_store(timeout_s=rc.failure_timeout_s), self.rank,
+                                 rc.heartbeat_stale_s, keys=self.keys).start()
+        self.liveness = Liveness(self.store, rc.heartbeat_stale_s, keys=self.keys, watchdog=self.watchdog)
         costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
         self.plans = PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, costs, schedule=rc.schedule,
                                optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
@@ -107,9 +112,12 @@ class ResilientRunner:
         self.events: list[dict[str, Any]] = []
         self._recovery: dict[str, Any] | None = None
         self._target = 0
-        restarted = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")) > 0
+        life = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0"))
         # Faults fire in a worker's first life only: a restarted worker must not die again at the same spot.
-        self.injector = FaultInjector([] if restarted else faults_of(cfg), *self.engine.worker)
+        # Faults of a join phase fire in the life their iteration names (a joiner's admission).
+        self.injector = FaultInjector([] if life else faults_of(cfg), *self.engine.worker)
+        self.join_injector = FaultInjector([f for f in faults_of(cfg) if f.phase in JOIN_PHASES and f.iteration == life],
+                                           *self.engine.worker)
         self.job_workers = self.workers
         """Every worker of the job and its rank, live or not (a restarted rank runs the same worker)."""
         self.joins_decided = 0
@@ -117,6 +125,8 @@ class ResilientRunner:
         self._join_checked: int | None = None
         self.joined_at: int | None = None
         """The iteration at which this process joined the running job (None: it started with the job)."""
+        self.fallback_directory: str | None = None
+        """The checkpoint directory a lost stage falls back to (the training loop sets it); None: no fallback."""
         if rejoining:
             self._join()
         else:
@@ -125,24 +135,30 @@ class ResilientRunner:
         self._wrap_handlers()
 
     # ------------------------------------------------------------------ groups and engine state
-    def _build_comm(self, tag: str) -> EpochComm:
+    def _build_comm(self, tag: str, known: dict[int, int] | None = None) -> EpochComm:
+        """The epoch's groups; ``known``: restart counts of members whose process is known (joiners)."""
         stage_members = self.workers.stage_ranks(self.engine.stage_id)
+        incarnations = watch_members(self.watchdog, self.store, self.keys, self.members, known)
+        self.liveness.incarnations = dict(incarnations)  # a member dying while connecting is found dead
+        # Its own store client: a connection abandoned while it waits for a dead member must not block this one.
+        store = connect_store(timeout_s=self.cfg.recycle.failure_timeout_s)
         try:
-            comm = EpochComm.build(self.store, self.epoch, self.members, stage_members, self.rank,
-                                   self.cfg.recycle.failure_timeout_s, f"g{self.generation}{tag}")
+            comm = run_guarded(lambda: EpochComm.build(store, self.epoch, self.members, stage_members, self.rank,
+                                                       self.cfg.recycle.failure_timeout_s, f"g{self.generation}{tag}"),
+                               self.watchdog, self.cfg.recycle.failure_timeout_s, f"building epoch {self.epoch}{tag}")
         except RuntimeError as e:  # a member died while the groups were being connected
             raise PeerFailure(f"building the groups of epoch {self.epoch}: {e}") from e
-        self.liveness.incarnations = dict(comm.probe.incarnations)
-        self._tied_groups = self._build_tied(f"e{self.epoch}g{self.generation}{tag}")
+        comm.probe.incarnations, comm.probe.watchdog = dict(incarnations), self.watchdog
+        self._tied_groups = self._build_tied(f"e{self.epoch}g{self.generation}{tag}", store)
         return comm
 
-    def _build_tied(self, prefix: str) -> dict[str, EpochGroup]:
+    def _build_tied(self, prefix: str, store: Any) -> dict[str, EpochGroup]:
         """This epoch's groups over the live holders of each weight tied across stages (built by every holder)."""
         groups: dict[str, EpochGroup] = {}
         for t in self.engine.tied:
             if t.name not in groups:
                 try:
-                    groups[t.name] = EpochGroup(self.store, f"{prefix}/{t.name}", tied_members(t, self.workers.stage_ranks),
+                    groups[t.name] = EpochGroup(store, f"{prefix}/{t.name}", tied_members(t, self.workers.stage_ranks),
                                                 self.rank, self.cfg.recycle.failure_timeout_s)
                 except RuntimeError as e:
                     raise PeerFailure(f"building the tied-weight group {t.name}: {e}") from e
@@ -166,7 +182,8 @@ class ResilientRunner:
             eng.module, eng.optimizer, stage=eng.stage_id, pipelines=workers.pipelines, dp_group=None,
             dp_ranks=workers.stage_ranks(eng.stage_id), norm_group=None, max_norm=old.max_norm, scope=old.scope,
             lr_scheduler=eng.lr_scheduler, served=served, stage_rerouted=rerouted,
-            norm_source=min(workers.stage_ranks(0))).attach(comm, self._at_step)
+            norm_source=min(workers.stage_ranks(0)), rerouted_pipelines=rerouted_pipelines(plan, eng.stage_id),
+            microbatches=eng.micro_batches).attach(comm, self._at_step)
         eng.stepper.clipped_steps, eng.stepper.redone_steps = old.clipped_steps, old.redone_steps
         eng.stepper._expect_clip = getattr(old, "_expect_clip", False)
         last = workers.stage_ranks(workers.stages - 1)
@@ -178,7 +195,14 @@ class ResilientRunner:
                             for d in range(plan.pipelines) for i in range(plan.microbatches))
 
     # ------------------------------------------------------------------ fault injection
+    def _fire_join(self, phase: Phase) -> None:
+        if any(f.phase is phase for f in self.join_injector.pending):
+            self.store.set(self._fault_key(self.rank), repr(time.time()))
+            self.join_injector.reached(self.join_injector.pending[0].iteration, phase)
+
     def _fire(self, phase: Phase) -> None:
+        if phase is Phase.FORWARD and self.joined_at is not None and self.engine.iteration == self.joined_at:
+            self._fire_join(Phase.JOIN_FIRST_ITERATION)
         it = self.engine.iteration
         if any(f.iteration == it and f.phase is phase for f in self.injector.pending):
             self.store.set(self._fault_key(self.rank), repr(time.time()))
@@ -334,11 +358,19 @@ class ResilientRunner:
 
     def _fall_back(self, error: StageLostError) -> None:
         """Every worker of a stage is gone: restart the whole job from the latest checkpoint (never returns)."""
-        self._event("fallback", reason=str(error), generation=self.generation + 1)
-        logger.error("cannot re-route (%s): falling back to the latest checkpoint; this worker leaves as lost "
-                     "(exit %d) and the launcher restarts every rank (--restart_failed_after)", error,
+        if self.fallback_directory is None:
+            self._event("stage_lost", reason=str(error))
+            logger.error("cannot re-route (%s) and there is no checkpoint to fall back to (no --checkpoint-dir): "
+                         "this worker leaves as lost (exit %d)", error, ckpt.LOST_EXIT_CODE)
+            self._exit(ckpt.LOST_EXIT_CODE)
+        self._event("fallback", reason=str(error), generation=self.generation + 1,
+                    directory=self.fallback_directory)
+        logger.error("cannot re-route (%s): falling back to the latest checkpoint in %s; this worker leaves as lost "
+                     "(exit %d) and the launcher starts every rank again", error, self.fallback_directory,
                      ckpt.LOST_EXIT_CODE)
+        carry_events(self.store, self.generation + 1, self.rank == min(self.members), self.events)
         self.store.compare_set(ckpt.GENERATION_KEY, str(self.generation), str(self.generation + 1))
+        request_restart_all(self.store, self.generation + 1)
         self._exit(ckpt.LOST_EXIT_CODE)
 
     # ------------------------------------------------------------------ rejoin
@@ -387,7 +419,7 @@ class ResilientRunner:
         # Joins do not count as agreement rounds (``epoch``): a failure in the middle of one sends every member
         # to the same next round, whether it had finished the join or not. Their groups carry the join count.
         self.members, self.workers = members, self._workers_of(members)
-        comm = self._build_comm(f"j{upto}")
+        comm = self._build_comm(f"j{upto}", {q: read_request(self.store, self.keys, n)[1] for n, q in accepted.items()})
         connected = time.time()
         self._install(comm, self.workers, self.plans.get(self.workers.absent()))
         sources = stage_sources(previous, joining, lambda q: self.job_workers.worker_of_rank(q)[1])
@@ -404,7 +436,8 @@ class ResilientRunner:
     def _join(self) -> None:
         """This process replaces a lost worker: ask the members in, take the stage's state, start at a boundary."""
         started = time.time()
-        number = file_request(self.store, self.keys, self.rank)
+        number = file_request(self.store, self.keys, self.rank, incarnation(self.store, self.keys, self.rank))
+        self._fire_join(Phase.JOIN_REQUEST)
         rc = self.cfg.recycle
         try:
             ticket = wait_for_ticket(self.store, self.keys, number, rc.failure_timeout_s, self._fell_back)
@@ -422,11 +455,13 @@ class ResilientRunner:
         self.epoch, self.members, self.joins_decided = ticket.epoch, list(ticket.members), ticket.admitted_upto
         self.workers = self._workers_of(self.members)
         self.engine.reporter_rank = ticket.reporter
+        self._fire_join(Phase.JOIN_GROUPS)
         comm = self._build_comm(f"j{ticket.admitted_upto}")
         self._install(comm, self.workers, self.plans.get(self.workers.absent()))
         previous = [q for q in ticket.members if q not in ticket.joining]
         src = stage_sources(previous, ticket.joining, lambda q: self.job_workers.worker_of_rank(q)[1])[
             self.engine.stage_id]
+        self._fire_join(Phase.JOIN_TRANSFER)
         moved, extra = transfer_stage_state(comm, src, self.rank, self.engine, load=True)
         if self.engine.iteration != ticket.iteration:
             raise RuntimeError(f"state from rank {src} is at iteration {self.engine.iteration}, "
@@ -454,6 +489,7 @@ class ResilientRunner:
 
     def _exit(self, code: int) -> NoReturn:
         self.heartbeat.stop()
+        self.watchdog.stop()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -490,16 +526,20 @@ class ResilientRunner:
             self.engine._calls = self.joined_at  # the loop resumes where the job is: no calls to catch up
             return self.joined_at
         start = ckpt.load_stage(self.engine, directory)
-        if start is not None:
-            self.resumed_at(start, directory)
+        self.resumed_at(start, directory)
         return start
 
-    def resumed_at(self, start: int, directory: str) -> None:
-        """The engine's state was loaded from a checkpoint: training goes on at iteration ``start``."""
-        self._target = self.engine._calls = start
-        self.snapshots = SnapshotRing()
-        if self.generation:
-            self._event("resumed", iteration=start, generation=self.generation, directory=directory)
+    def resumed_at(self, start: int | None, directory: str) -> None:
+        """A resume from ``directory``: training goes on at iteration ``start`` (None: no checkpoint was there).
+
+        The events carried over a fallback are put back in front, so the metrics keep one record.
+        """
+        if start is not None:
+            self._target = self.engine._calls = start
+            self.snapshots = SnapshotRing()
+        self.events = carried_events(self.store, self.generation) + self.events
+        self._event("resumed", iteration=start or 0, generation=self.generation, directory=directory,
+                    checkpoint_found=start is not None)
 
     # ------------------------------------------------------------------ end of training
     def finish(self) -> None:
@@ -542,6 +582,7 @@ class ResilientRunner:
         self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "closing barrier")
         if self.epoch == 0 and self.joined_at is None:
             self.heartbeat.stop()
+            self.watchdog.stop()
             if dist.is_initialized():
                 dist.barrier()
                 dist.destroy_process_group()

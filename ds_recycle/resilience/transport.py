@@ -12,7 +12,6 @@ each wait is :func:`~ds_recycle.resilience.comm.bounded_wait`, which turns a dea
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,42 +21,11 @@ import torch.distributed as dist
 
 from ds_recycle.engine.optimizer import StaggeredOptimizer
 from ds_recycle.engine.p2p import PeerChannel
-from ds_recycle.resilience.comm import EpochGroup, FailureProbe, bounded_wait
+from ds_recycle.resilience.comm import EpochGroup, FailureProbe, ThreadedWork, bounded_wait
 
 __all__ = ["BoundedChannel", "BoundedOptimizer", "EpochComm", "ThreadedWork"]
 
 logger = logging.getLogger(__name__)
-
-
-class ThreadedWork:
-    """A gloo send or receive made pollable: a daemon thread blocks in its ``wait()``.
-
-    Gloo's point-to-point works report ``is_completed() == False`` until someone calls ``wait()``, and a
-    ``wait(timeout)`` that expires closes the connection, so they cannot be polled directly. If the peer is
-    stuck for good, the thread stays blocked inside the abandoned group until the group's own timeout.
-    """
-
-    def __init__(self, work: Any) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(work,), name="gloo-p2p-wait", daemon=True).start()
-
-    def _run(self, work: Any) -> None:
-        try:
-            work.wait()
-        except BaseException as e:  # reported to the waiting thread by wait()
-            self._error = e
-        finally:
-            self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Any = None) -> bool:
-        self._done.wait()
-        if self._error is not None:
-            raise RuntimeError(str(self._error)) from self._error
-        return True
 
 
 @dataclass
@@ -133,6 +101,12 @@ class BoundedOptimizer(StaggeredOptimizer):
         if self.after_reduce is not None:
             self.after_reduce()
         super().step(iteration, synchronous)
+
+    def _all_to_all_stage(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.stage.all_to_all(output, tensor), f"stage {self.stage} gradient reduce-scatter")
+
+    def _all_gather_stage(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.stage.all_gather(outputs, tensor), f"stage {self.stage} gradient all-gather")
 
     def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
         return self.comm.norm.broadcast(tensor, src)

@@ -7,7 +7,7 @@ For each tensor it reports the largest absolute difference ``max|a - b|`` and th
 difference ``max|a - b| / max|b|`` (relative to the tensor's own scale, so a single element near
 zero cannot make it explode). Two files match when every tensor satisfies
 ``max|a - b| <= atol + rtol * max|b|`` and both hold the same names and shapes. Exit status 0 only
-when they match; 1 when they differ; 2 when a file cannot be read.
+when they match; 1 when they differ; 2 when a file cannot be read or is not a torch save of tensors.
 """
 from __future__ import annotations
 
@@ -63,7 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load(path: str) -> dict[str, torch.Tensor]:
     if not Path(path).is_file():
         raise ValueError(f"no file at {path}: pass a file written by train.py --save-final")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises pickle, zip and EOF errors of many kinds: one line is enough
+        raise ValueError(f"{path} is not a torch save file ({type(e).__name__}): pass a file written by "
+                         "train.py --save-final") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path} is not a dict of tensors: pass a file written by train.py --save-final")
     return state

@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "WORLD_SIZE" in os.environ:
             cfg.check_world_size(int(os.environ["WORLD_SIZE"]))
     except ConfigError as e:
-        logger.error("%s", e)
+        # Every worker reads the same file: under a launcher the error is printed by rank 0 only.
+        (logger.error if int(os.environ.get("RANK", "0")) == 0 else logger.debug)("%s", e)
         return 2
     return _train(cfg, args)
 
@@ -127,16 +128,21 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
     world = init_worker()
     cfg.check_world_size(world.world_size)
     runner = _make_runner(cfg, world)
+    if hasattr(runner, "fallback_directory"):  # a whole lost stage falls back to this directory's checkpoint
+        runner.fallback_directory = args.checkpoint_dir
+    continued = _continues_a_record(runner, args)
     tokens = cfg.recycle.pipelines * cfg.micro_batches * cfg.micro_batch_size * cfg.recycle.model.seq_len
 
     def open_metrics(takeover: bool) -> MetricsWriter:
-        if not takeover:
-            logger.info("resolved config: %s", json.dumps(cfg.resolved()))
-        else:
+        if takeover:
             logger.warning("the reporting worker is gone: this rank reports from now on (appending to %s)",
                            args.metrics)
+        elif continued:
+            logger.info("resuming: appending to %s", args.metrics)
+        else:
+            logger.info("resolved config: %s", json.dumps(cfg.resolved()))
         return MetricsWriter(args.metrics, tokens, cfg.resolved(), args.wandb or os.environ.get("WANDB_MODE",
-                             "offline"), run_name=args.run_name, append=takeover)
+                             "offline"), run_name=args.run_name, append=takeover or continued)
 
     metrics = open_metrics(False) if runner.is_reporter() else None
     start = _resume(runner, args)  # a restarted worker that joined the running job catches up inside the engine
@@ -169,9 +175,16 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _continues_a_record(runner: Runner, args: argparse.Namespace) -> bool:
+    """Whether this run continues an earlier one (``--resume``, or a restart after a fallback to the checkpoint):
+    its metrics are appended to the same file, so that it keeps one record."""
+    return bool(args.resume) or runner.generation > 0
+
+
 def _resume(runner: Runner, args: argparse.Namespace) -> int:
-    """The first iteration to run: 0, or the data position saved with the latest checkpoint."""
-    if not args.resume:
+    """The first iteration to run: 0, or the data position saved with the latest checkpoint (with ``--resume``,
+    and in a job restarted by a fallback to its checkpoint, which needs no ``--resume``)."""
+    if not _continues_a_record(runner, args) or not args.checkpoint_dir:
         return 0
     start = runner.load_checkpoint(args.checkpoint_dir)
     if start is None:

@@ -53,6 +53,10 @@ class EngineRunner:
         """The engine's failure handler (``ds-recycle launch``), or None."""
         return self.engine.resilience
 
+    @property
+    def generation(self) -> int:
+        return int(self.handler.generation) if self.handler is not None else 0
+
     def train_iteration(self, iteration: int) -> IterationResult:
         """One ``engine.train_batch()`` (a worker that joined later returns NaN until its loop catches up)."""
         loss = self.engine.train_batch()

@@ -36,6 +36,11 @@ class Runner(Protocol):
         """Train on the global batch of ``iteration`` (its data is a pure function of the number)."""
         ...
 
+    @property
+    def generation(self) -> int:
+        """How many times the job fell back to its checkpoint (0 without failure handling)."""
+        ...
+
     def is_reporter(self) -> bool:
         """True on exactly one live rank: the one that knows the loss and writes metrics."""
         ...

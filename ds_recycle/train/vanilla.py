@@ -24,6 +24,9 @@ __all__ = ["VanillaRunner"]
 class VanillaRunner:
     """Vanilla DeepSpeed: 1F1B, fused backward, one synchronous optimizer step, no failure survival."""
 
+    generation = 0
+    """Vanilla DeepSpeed never falls back by itself (a failure ends its job)."""
+
     def __init__(self, cfg: TrainConfig, world: World) -> None:
         if cfg.recycle.assume_failed:
             raise ValueError("config key 'recycle.assume_failed': vanilla DeepSpeed cannot run with absent workers. "

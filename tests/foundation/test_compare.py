@@ -39,3 +39,12 @@ def test_missing_names_and_shapes_differ(tmp_path: Path, capsys) -> None:  # typ
 def test_unreadable_input_is_a_clear_error(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["compare", str(tmp_path / "nope.pt"), str(tmp_path / "nope.pt")]) == 2
     assert "no file at" in capsys.readouterr().out
+
+
+def test_a_file_that_is_not_a_torch_save_is_one_line_and_a_distinct_status(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    text = tmp_path / "notes.txt"
+    text.write_text("not a torch file\n")
+    good = save(tmp_path / "a.pt", w=torch.ones(2))
+    assert main(["compare", str(text), good]) == 2  # not 1, the "models differ" status
+    out = capsys.readouterr().out
+    assert out.strip().count("\n") == 0 and "is not a torch save file" in out, out

@@ -78,3 +78,21 @@ def test_shipped_configs_load(repo: Path) -> None:
     for path in paths:
         cfg = load_config(path)
         assert json.loads(json.dumps(cfg.resolved()))  # the resolved config is plain JSON
+
+
+def test_misspelt_top_level_section_is_refused_with_a_suggestion() -> None:
+    cfg = base(model={"d_model": 256})
+    cfg["recyle"] = cfg.pop("recycle")  # DeepSpeed would ignore it and the run would use our defaults
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert err.value.key == "recyle" and "did you mean 'recycle'?" in str(err.value)
+    cfg = base()
+    cfg["gradient_cliping"] = 0.5
+    with pytest.raises(ConfigError, match="did you mean 'gradient_clipping'"):
+        load_config(cfg)
+
+
+def test_deepspeed_top_level_keys_are_accepted() -> None:
+    cfg = base()
+    cfg.update({"wandb": {"enabled": False}, "wall_clock_breakdown": False, "activation_checkpointing": {}})
+    assert load_config(cfg).deepspeed["wall_clock_breakdown"] is False

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,23 +86,39 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_killed_worker_rejoins_then_its_peer_dies_same_model(tmp_path: Path, baseline: Path) -> None:
-    """(1, 0) dies at iteration 2 and rejoins with state from (0, 0); later (0, 0) dies and the rejoined
-    worker carries stage 0 alone: every step of the way the model is the failure-free one."""
-    steps, second_kill, base = STEPS, 120, baseline
-    out, output, records = _run(tmp_path, "k", steps, ["1:0@2:backward-input", f"0:0@{second_kill}:forward"],
-                                RESTART)
-    assert "joined the running job at iteration" in output, output[-4000:]
+    """(1, 0) dies at iteration 2 and rejoins with state from (0, 0); a few iterations after the join (0, 0) is
+    SIGKILLed from outside and the rejoined worker carries stage 0 alone: the model is the failure-free one.
+    (The second kill waits for the join: a fixed iteration would race the restarted process's start-up.)"""
+    from ds_recycle.tools.procs import worker_pids
+    from tests.launcher.launch_harness import LaunchedJob
+
+    config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=60.0)
+    out, metrics = tmp_path / "k.pt", tmp_path / "k.jsonl"
+    job = LaunchedJob(["--num_accelerators", "4", "--master_port", "0", *RESTART, str(REPO / "launch" / "train.py"),
+                       "--deepspeed_config", str(config), "--steps", str(STEPS), "--save-final", str(out),
+                       "--metrics", str(metrics), "--kill", "1:0@2:backward-input"], env={"WANDB_MODE": "disabled"})
+    try:
+        joined = int(job.wait_for(r"joined the running job at iteration (\d+)", timeout_s=200)[0][1])
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < joined + 3:
+            assert job.proc.poll() is None, job.text[-4000:]
+            time.sleep(0.05)
+        os.kill(worker_pids(job.proc.pid)[0], signal.SIGKILL)
+        assert job.proc.wait(timeout=200) == 0, job.text[-4000:]
+    finally:
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+    output, records = job.text, [json.loads(line) for line in metrics.read_text().splitlines()]
     (joined_at, join), = _events(records, "rejoin")
-    assert join["ranks"] == [1] and join["workers"] == [[1, 0]] and 2 < joined_at < second_kill, join
+    assert join["ranks"] == [1] and join["workers"] == [[1, 0]] and 2 < joined_at == joined, join
     assert join["members"] == [0, 1, 2, 3]
     by_iter = {r["iter"]: r for r in records}
     assert by_iter[joined_at - 1]["live_workers"] == 3 and by_iter[joined_at - 1]["rerouted_microbatches"] > 0
     assert by_iter[joined_at]["live_workers"] == 4 and by_iter[joined_at]["rerouted_microbatches"] == 0
     failures = _events(records, "failure")
     assert [e["lost_workers"] for _, e in failures] == [[[1, 0]], [[0, 0]]], failures
-    assert records[-1]["live_workers"] == 3 and len(records) == steps
+    assert records[-1]["live_workers"] == 3 and len(records) == STEPS
     assert re.search(r"summary: rank 1 \(pid \d+, restart 1\) finished: exit code 0", output), output[-3000:]
-    assert_same_model(out, base)
+    assert_same_model(out, baseline)
 
 
 @pytest.mark.multiprocess

@@ -1,0 +1,235 @@
+"""The watchdog: declares a member failed while this worker's training thread is blocked in a wait.
+
+A crashed worker is reported by its launcher (``ds_recycle/exit/<rank>`` and the ``exits`` counter); a
+*hung* one (SIGSTOP, a wedged device call, a driver stuck in the kernel) is not: its process is alive, its
+sockets are open, and every peer blocked in a send, receive or collective with it would wait for the group's
+timeout (``recycle.failure_timeout_s``). The watchdog is one daemon thread per worker, on its own store
+client, that:
+
+* reads the exit counter every ``exit_poll_s`` (one store round trip) and, when it moved, looks at the
+  members' exit keys and restart counts (the same test as
+  :class:`~ds_recycle.resilience.comm.FailureProbe`);
+* reads every other member's heartbeat counter every ``heartbeat_poll_s``; a counter that has not moved for
+  ``stale_after_s`` (``recycle.heartbeat_stale_s``) of this thread's monotonic clock declares that member
+  *hung*: the watchdog asks the member's launcher to fence it (``ds_recycle/fence/<rank>``, see
+  :mod:`ds_recycle.launcher.fencing`: SIGKILL, then reported like any other death), and trips.
+
+Tripping sets every event registered with :meth:`Watchdog.waking`, so a wait blocked on such an event (see
+:func:`~ds_recycle.resilience.comm.bounded_wait`) returns at once and raises
+:class:`~ds_recycle.resilience.comm.PeerFailure`. Nothing busy-polls: the training thread blocks on an
+event, the watchdog sleeps between its reads.
+
+A member stopped for less than ``stale_after_s`` and then resumed is declared nothing: its heartbeat thread
+resumes with it and its counter moves again.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from ds_recycle.launcher import store as launcher_store
+from ds_recycle.resilience.store import StoreKeys, incarnation
+
+__all__ = ["Declaration", "Watchdog", "run_guarded", "watch_members"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """Why the watchdog tripped."""
+
+    rank: int
+    hung: bool
+    """True: its heartbeat stopped (it was fenced); False: its launcher reported it gone."""
+    reason: str
+    at: float
+    """Unix time of the declaration."""
+
+
+class Watchdog:
+    """Watches the members of the current epoch from a daemon thread (see the module docstring)."""
+
+    def __init__(self, store_factory: Callable[[], dist.Store], rank: int, stale_after_s: float,
+                 keys: StoreKeys = StoreKeys(), exit_poll_s: float = 0.01, heartbeat_poll_s: float = 0.25) -> None:
+        self._store = store_factory()  # its own connection: the training thread's client is not thread-safe
+        self.rank = rank
+        self.stale_after_s = stale_after_s
+        self.keys = keys
+        self.exit_poll_s = exit_poll_s
+        self.heartbeat_poll_s = heartbeat_poll_s
+        self._lock = threading.Lock()
+        self._members: tuple[int, ...] = ()
+        self._incarnations: dict[int, int] = {}
+        self._epoch = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
+        self._exits_seen = -1
+        self._next_heartbeat_check = 0.0
+        self._waiters: set[threading.Event] = set()
+        self.declared: Declaration | None = None
+        """Why the current epoch's watch tripped (None: it has not)."""
+        self.hung: set[int] = set()
+        """Ranks declared hung (and fenced) since the watch was last armed."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"watchdog-{rank}", daemon=True)
+
+    # ---------------------------------------------------------------------------------------- training thread
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.heartbeat_poll_s + 1)
+
+    def arm(self, members: Sequence[int], incarnations: dict[int, int]) -> None:
+        """Watch ``members`` (each at its restart count in ``incarnations``) from now on; clears a trip."""
+        with self._lock:
+            self._epoch += 1
+            self._members = tuple(sorted(members))
+            self._incarnations = dict(incarnations)
+            self._exits_seen = -1
+            self._seen = {r: v for r, v in self._seen.items() if r in self._members}
+            self.declared = None
+            self.hung = set()
+
+    def tripped(self) -> bool:
+        return self.declared is not None
+
+    @contextlib.contextmanager
+    def waking(self, event: threading.Event) -> Iterator[None]:
+        """Inside, a trip sets ``event`` (at once if the watch has tripped already)."""
+        with self._lock:
+            self._waiters.add(event)
+            if self.declared is not None:
+                event.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiters.discard(event)
+
+    # ---------------------------------------------------------------------------------------- watcher thread
+    def _run(self) -> None:
+        while not self._stop.wait(self.exit_poll_s):
+            try:
+                self._check()
+            except Exception:  # the store is gone: the job is over, nothing left to watch
+                logger.debug("watchdog stopped: store unreachable")
+                return
+
+    def _check(self) -> None:
+        with self._lock:
+            epoch, members, incarnations = self._epoch, self._members, dict(self._incarnations)
+        if self.declared is not None or not members:
+            return
+        found = self._exited(members, incarnations)
+        now = time.monotonic()
+        if found is None and now >= self._next_heartbeat_check:
+            self._next_heartbeat_check = now + self.heartbeat_poll_s
+            found = self._stale(members, incarnations, now)
+        if found is not None:
+            self._trip(epoch, found)
+
+    def _exited(self, members: tuple[int, ...], incarnations: dict[int, int]) -> Declaration | None:
+        count = int(self._store.add(self.keys.exits, 0))
+        if count == self._exits_seen:
+            return None
+        self._exits_seen = count
+        for r in members:
+            if r in incarnations and (self._store.check([self.keys.exit(r)])
+                                      or incarnation(self._store, self.keys, r) != incarnations[r]):
+                return Declaration(r, False, f"rank {r} exited (its launcher reported it)", time.time())
+        return None
+
+    def _stale(self, members: tuple[int, ...], incarnations: dict[int, int], now: float) -> Declaration | None:
+        for r in members:
+            if r == self.rank:
+                continue
+            count = int(self._store.add(self.keys.heartbeat(r), 0))
+            last = self._seen.get(r)
+            if last is None or count != last[0]:
+                self._seen[r] = (count, now)
+                continue
+            silent = now - last[1]
+            if silent > self.stale_after_s:
+                _request_fence(self._store, r, incarnations.get(r, 0),
+                               f"no heartbeat for {silent:.1f} s (declared by rank {self.rank})")
+                return Declaration(r, True, f"rank {r} hung: no heartbeat for {silent:.1f} s "
+                                   f"(recycle.heartbeat_stale_s {self.stale_after_s:g}), fenced",
+                                   time.time())
+        return None
+
+    def _trip(self, epoch: int, found: Declaration) -> None:
+        with self._lock:
+            if epoch != self._epoch or self.declared is not None:
+                return  # re-armed meanwhile: this finding belongs to a past epoch
+            self.declared = found
+            if found.hung:
+                self.hung.add(found.rank)
+            waiters = list(self._waiters)
+        logger.warning("watchdog: %s", found.reason,
+                       extra={"event": "watchdog", "rank": found.rank, "hung": found.hung})
+        for event in waiters:
+            event.set()
+
+
+def _request_fence(store: dist.Store, rank: int, restart_count: int, reason: str) -> None:
+    """Ask ``rank``'s launcher to SIGKILL its process of ``restart_count`` (idempotent: several members may ask)."""
+    store.set(launcher_store.fence_key(rank), f"{restart_count} {reason}")
+    store.add(launcher_store.FENCE_REQUESTS_KEY, 1)
+
+
+T = TypeVar("T")
+
+
+def run_guarded(build: Callable[[], T], watchdog: Watchdog, timeout_s: float, what: str) -> T:
+    """``build()`` in a helper thread, abandoned when ``watchdog`` trips or ``timeout_s`` passes.
+
+    For calls that block without a work to wait on, such as connecting a gloo group to members that may have
+    died before connecting: the caller gets :class:`~ds_recycle.resilience.comm.PeerFailure` at once, and the
+    abandoned thread ends when the call's own timeout expires (its error then goes to the debug log).
+    """
+    from ds_recycle.resilience.comm import PeerFailure
+
+    done = threading.Event()
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(build())
+        except BaseException as e:
+            error.append(e)
+            logger.debug("%s ended with %s", what, e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"guarded: {what}", daemon=True).start()
+    with watchdog.waking(done):
+        if not done.wait(timeout_s):
+            raise PeerFailure(f"{what}: not done within {timeout_s} s")
+    if result:
+        return result[0]
+    if error:
+        raise error[0]
+    raise PeerFailure(f"{what}: {watchdog.declared.reason if watchdog.declared else 'interrupted'}")
+
+
+def watch_members(watchdog: Watchdog, store: dist.Store, keys: StoreKeys, members: Sequence[int],
+                  known: dict[int, int] | None = None) -> dict[int, int]:
+    """Arm ``watchdog`` with ``members`` at their current restart counts, or at ``known`` ones; those counts.
+
+    A joiner's count comes from its join request (``known``): if that process died, or the launcher restarted
+    the rank again, before the members connect to it, the watch trips at its first look.
+    """
+    counts = {r: (known or {}).get(r, incarnation(store, keys, r)) for r in members}
+    watchdog.arm(members, counts)
+    return counts
