@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ds_recycle.launcher.hosts import Layout, resolve_layout
 from ds_recycle.launcher.job import JobSpec, Program, worker_specs
+from ds_recycle.launcher.netif import gloo_interface_env
 from ds_recycle.launcher.policy import ExitPolicy
 from ds_recycle.launcher.remote import default_env_files, exported_env, ssh_command
 from ds_recycle.launcher.worker import OutputSink, Worker, WorkerSpec
@@ -126,8 +127,10 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
     log_ranks = _parse_log_ranks(args.log_ranks)
     if log_ranks is not None and not log_ranks <= set(range(layout.world_size)):
         raise ValueError(f"--log_ranks {args.log_ranks}: the job has ranks 0..{layout.world_size - 1}")
-    job = JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
-                  threads or None, log_ranks, dict(os.environ), cuda_available=cuda_devices > 0)
+    master_addr = _master_addr(args, layout)
+    env = {**os.environ, **gloo_interface_env(master_addr, os.environ, len(layout.nodes) > 1)}
+    job = JobSpec(layout, args.node_rank, master_addr, master_port, program, policy,
+                  threads or None, log_ranks, env, cuda_available=cuda_devices > 0)
     worker_specs(job)  # raises ValueError now for what only the per-rank environment can reveal
     return job
 
