@@ -55,7 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--node_rank", type=int, default=0, help="this node's index in the layout (with --no_ssh)")
     where.add_argument("--world_info", default=None, help=argparse.SUPPRESS)
     where.add_argument("--store_timeout", type=float, default=120.0,
-                       help="seconds a remote node waits for node 0's store (default 120)")
+                       help="seconds a remote node waits for node 0's store, and a node cut off from the store "
+                            "tries to reach it again before it leaves as lost (default 120)")
+    where.add_argument("--store_service", action="store_true",
+                       help="the store at --master_addr:--master_port is a `ds-recycle store` service (on a host "
+                            "with no workers): node 0 connects to it instead of hosting it, so node 0 can be lost")
+    where.add_argument("--node_timeout", type=float, default=10.0,
+                       help="a node whose launcher's heartbeat has not reached the store for this long is lost: "
+                            "its ranks count as lost; a node cut off from the store SIGKILLs its own workers "
+                            "after half of it (default 10)")
 
     how = parser.add_argument_group("how each worker runs")
     how.add_argument("--threads_per_worker", type=int, default=None,
@@ -130,7 +138,8 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
     master_addr = _master_addr(args, layout)
     env = {**os.environ, **gloo_interface_env(master_addr, os.environ, len(layout.nodes) > 1)}
     job = JobSpec(layout, args.node_rank, master_addr, master_port, program, policy,
-                  threads or None, log_ranks, env, cuda_available=cuda_devices > 0)
+                  threads or None, log_ranks, env, cuda_available=cuda_devices > 0,
+                  node_timeout_s=args.node_timeout, store_service=args.store_service)
     worker_specs(job)  # raises ValueError now for what only the per-rank environment can reveal
     return job
 
@@ -171,8 +180,10 @@ def _open_store(job: JobSpec, args: argparse.Namespace) -> TCPStore:
     """Node 0 hosts the store (``--master_port 0``: any free port); other nodes connect and announce themselves."""
     from ds_recycle.launcher import store as stores
 
-    if job.node_rank == 0:
+    if job.node_rank == 0 and not job.store_service:
         return stores.host_store(job.master_addr, args.master_port, args.store_timeout)
+    if args.master_port == 0:
+        raise OSError("--master_port 0 with a store this launcher does not host: give the store's port")
     store = stores.connect_store(job.master_addr, args.master_port, args.store_timeout)
     try:
         store.set(stores.node_key(job.node_rank), socket.gethostname())
@@ -185,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     _setup_logging(args.node_rank)
     import torch  # deferred: `ds-recycle launch --help` stays fast
 
+    from ds_recycle.launcher.hostwatch import Lease, NodeWatch
     from ds_recycle.launcher.nodes import OtherNodes
     from ds_recycle.launcher.supervisor import Supervisor
 
@@ -209,4 +221,11 @@ def run(args: argparse.Namespace) -> int:
     others = None
     if node0 and args.no_ssh and len(job.layout.nodes) > 1:
         others = OtherNodes(store, job.layout, range(1, len(job.layout.nodes)), args.store_timeout)
-    return Supervisor(job, store, workers, remotes, hosts_store=node0, others=others).run()
+    watch, lease, rejoin = None, None, False
+    if node0 and not job.store_service:
+        watch = NodeWatch(job.layout, job.node_timeout_s, range(1, len(job.layout.nodes)))
+    else:
+        lease = Lease(job.master_addr, job.master_port, job.node_rank, job.node_timeout_s, args.store_timeout)
+        rejoin = lease.attach(store)
+    return Supervisor(job, store, workers, remotes, hosts_store=node0, others=others, watch=watch, lease=lease,
+                      rejoin=rejoin).run()

@@ -65,8 +65,10 @@ def gloo_interface_env(master_addr: str, env: Mapping[str, str], several_nodes: 
         logger.warning("host name %r resolves to loopback and no route to %s was found (%s): set "
                        "GLOO_SOCKET_IFNAME to the interface the other hosts reach", name, master_addr, err)
         return {}
+    if ipaddress.ip_address(local).is_loopback:
+        return {}  # the store is on this machine's loopback: every node is this machine, loopback is right
     iface = interface_of(local)
-    if iface is None or ipaddress.ip_address(local).is_loopback and master_addr not in ("127.0.0.1", "localhost"):
+    if iface is None:
         return {}
     logger.info("host name %r resolves to loopback: workers bind gloo to %s (%s, the route to the store at %s); "
                 "set GLOO_SOCKET_IFNAME to choose another interface", name, iface, local, master_addr)

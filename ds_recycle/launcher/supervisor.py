@@ -20,12 +20,14 @@ from types import FrameType, TracebackType
 
 from torch.distributed import Store
 
+from ds_recycle.launcher import hostwatch
 from ds_recycle.launcher import store as keys
+from ds_recycle.launcher.hostwatch import Lease, NodeWatch
 from ds_recycle.launcher.job import JobSpec
 from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
 from ds_recycle.launcher.restart_requests import RankState, RestartResult, explain_refusal, judge_restart_request
-from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
+from ds_recycle.launcher.worker import LOST_EXIT_CODE, ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
 
 __all__ = ["Supervisor"]
 
@@ -36,6 +38,8 @@ _MAX_SLEEP_S = 0.5
 _OUTPUT_DRAIN_S = 2.0
 #: extra time a remote node's launcher gets after the kill grace to stop its own workers and report them
 _REMOTE_SLACK_S = 3.0
+#: ssh's own exit status when the connection failed or was lost (the remote command's status otherwise)
+_SSH_CONNECTION_LOST = 255
 
 
 class _Wakeup:
@@ -89,8 +93,12 @@ class Supervisor:
     """Runs one node's share of a job to the end and returns the launcher's exit status."""
 
     def __init__(self, job: JobSpec, store: Store, workers: Sequence[Worker], remotes: Sequence[Worker] = (),
-                 hosts_store: bool = True, others: OtherNodes | None = None) -> None:
-        """``remotes``: node 0's ssh children; ``others``: nodes started elsewhere (``--no_ssh``) to wait for."""
+                 hosts_store: bool = True, others: OtherNodes | None = None, watch: NodeWatch | None = None,
+                 lease: Lease | None = None, rejoin: bool = False) -> None:
+        """``remotes``: node 0's ssh children; ``others``: nodes started elsewhere (``--no_ssh``) to wait for;
+        ``watch``: the node watch of the store's host; ``lease``: this node's lease on a store it does not host;
+        ``rejoin``: this node beat before (its host was lost): start its ranks as restarts once it is declared lost
+        (see :mod:`.hostwatch`)."""
         self.job = job
         self.store = store
         self.workers = {w.spec.rank: w for w in workers if w.spec.rank is not None}
@@ -110,6 +118,11 @@ class Supervisor:
         self._requests_seen = 0
         self._lingering = False
         self._t0 = time.monotonic()
+        self.watch = watch
+        self.lease = lease
+        self._rejoining = rejoin
+        self._cut_off_s: float | None = None
+        self._gave_up = False
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -117,7 +130,13 @@ class Supervisor:
             with _Wakeup() as wake:
                 if self.hosts_store:
                     self.store.set(keys.WORLD_SIZE_KEY, str(self.job.layout.world_size))
-                for worker in self._children():
+                    self.store.set(hostwatch.LAYOUT_KEY, self.job.layout.encode())
+                    self.store.set(hostwatch.NODE_TIMEOUT_KEY, str(self.job.node_timeout_s))
+                if self._rejoining and self.lease is not None:
+                    self.lease.rejoin_since = time.monotonic()
+                    logger.warning("node %d ran before (its host was lost): its ranks start as restarts once the "
+                                   "store's node watch has declared it lost", self.job.node_rank)
+                for worker in self.remotes if self._rejoining else self._children():
                     worker.start()
                     logger.info("started %s as pid %s", worker.spec.name, worker.pid)
                 while self._busy():
@@ -137,6 +156,9 @@ class Supervisor:
     def _busy(self) -> bool:
         if any(w.running for w in self._children()) or self._restart_at or self._others_pending:
             return True
+        if self._rejoining or (self.lease is not None and self._store_lost and not self._gave_up
+                               and self._stop_reason is None):
+            return True  # cut off, reconnecting; or back, waiting to restart this node's ranks
         # several nodes: an error must still reach the other nodes (as ds_recycle/stop) when its grace ends
         if self._error_deadline is not None and len(self.job.layout.nodes) > 1:
             return True
@@ -194,6 +216,11 @@ class Supervisor:
             self._publish_exit(exit)
         if self._stop_reason is not None:
             return
+        if self._store_lost and self.lease is not None:
+            return  # fenced: this node's ranks restart only once the store answers again (see _rejoin)
+        if exit.rank is None and exit.returncode == _SSH_CONNECTION_LOST:
+            logger.warning("%s: the ssh connection was lost; its ranks are judged by the node watch", exit.name)
+            return
         action = decide(exit, self.job.policy)
         if action is Action.RESTART:
             assert exit.rank is not None and self.job.policy.restart_after_s is not None
@@ -240,15 +267,25 @@ class Supervisor:
 
     def _poll_store(self) -> None:
         if self._store_lost:
+            if self.lease is not None and self._stop_reason is None:
+                self._reconnect(self.lease)
             return
         try:
+            if self.lease is not None:
+                self.lease.beat(self.store)
+            if self.watch is not None:
+                self.watch.poll(self.store)
             if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
                 self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
             self._poll_restart_requests()
             if self.others is not None:
                 self._poll_others(self.others)
+            if self._rejoining and self.lease is not None:
+                self._rejoin(self.lease)
         except (RuntimeError, OSError) as err:
-            if not self.hosts_store:
+            if self.lease is not None and self._stop_reason is None and _is_timeout(err):
+                self._fence(self.lease, err)
+            elif not self.hosts_store or self.lease is not None:
                 self._store_lost = True
                 idle = self._lingering and not self._restart_at and not any(w.running for w in self.workers.values())
                 if idle:  # only waiting for a restart command: node 0 ended, so did the job
@@ -312,6 +349,67 @@ class Supervisor:
         return RankState(rank, worker.pid if worker.running else None, last, worker.restart_count,
                          None if due is None else max(0.0, due - time.monotonic()), stopping)
 
+    # ---- a host cut off, back, or started again (see :mod:`.hostwatch`) -----------------------------------------
+    def _fence(self, lease: Lease, err: BaseException) -> None:
+        """No answer from the store within the fence time: SIGKILL this node's workers now, then reconnect."""
+        self._store_lost = True
+        self._restart_at.clear()
+        lease.fence()
+        logger.error("no answer from the store at %s:%d within %.1f s (%s): fencing, SIGKILL to this node's "
+                     "workers; they rejoin as restarted ones once the store answers again", self.job.master_addr,
+                     self.job.master_port, lease.node_timeout_s / 2, err,
+                     extra={"event": "fence", "node": self.job.node_rank})
+        self._send_all(signal.SIGKILL)
+
+    def _reconnect(self, lease: Lease) -> None:
+        if lease.gave_up():
+            self._gave_up = True
+            self._stop_reason = f"cut off from the store for more than {lease.give_up_s:.0f} s"
+            logger.error("giving up: %s; this node leaves as lost", self._stop_reason)
+            return
+        store = lease.try_reconnect()
+        if store is None:
+            return
+        assert lease.fenced_at is not None
+        self._cut_off_s = time.monotonic() - lease.fenced_at + lease.node_timeout_s / 2
+        logger.warning("the store answers again (fenced %.1f s ago)", time.monotonic() - lease.fenced_at)
+        self.store = store
+        self._store_lost = False
+        self._rejoining = True
+        lease.rejoin_since = time.monotonic()
+
+    def _rejoin(self, lease: Lease) -> None:
+        """Once the watch has declared this node lost, restart its unfinished ranks and record the host events."""
+        if self._stop_reason is not None:
+            self._rejoining = False
+            return
+        if not lease.declared_lost(self.store):
+            if lease.waited_too_long():
+                self._rejoining = False
+                self._stop(f"node {self.job.node_rank} is not declared lost: another launcher of this node "
+                           f"still beats, or the store is not watched")
+            return
+        self._rejoining = False
+        restarted = []
+        for rank in sorted(self.workers):
+            worker = self.workers[rank]
+            if worker.running or keys.read_int(self.store, keys.exit_key(rank)) == 0:
+                continue  # finished before the host was lost
+            worker.restart_count = max(worker.restart_count, keys.read_int(self.store, keys.restarted_key(rank)) or 0)
+            if worker.restart_count >= self.job.policy.max_restarts:
+                logger.error("rank %d is not restarted: out of --max_restarts %d", rank, self.job.policy.max_restarts)
+                continue
+            self._restart(rank)
+            restarted.append(rank)
+        self.store.delete_key(hostwatch.node_lost_key(self.job.node_rank))
+        if self._cut_off_s is not None:
+            hostwatch.record_host_event(self.store, "host_partitioned", self.job.layout, self.job.node_rank,
+                              cut_off_s=round(self._cut_off_s, 3), fenced_at=lease.fenced_wall)
+        hostwatch.record_host_event(self.store, "host_back", self.job.layout, self.job.node_rank, restarted_ranks=restarted,
+                          after="partition" if self._cut_off_s is not None else "host restart")
+        self._cut_off_s = None
+        lease.fenced_at = None
+
     # ---- actions ----------------------------------------------------------------------------------------------
     def _restart(self, rank: int) -> None:
         worker = self.workers[rank]
@@ -371,6 +469,8 @@ class Supervisor:
             status = max(status, 1)
         if self._signal is not None:
             status = 128 + int(self._signal)
+        if self._gave_up:
+            status = LOST_EXIT_CODE  # cut off for good: this node is lost, the job's failure is not its doing
         for exit in sorted(self.exits, key=lambda e: (e.rank is None, e.rank or 0, e.restart_count)):
             logger.info("summary: %s", exit.describe())
         kinds = [ExitKind.ERROR if code is None else exit_kind(code) for code in final.values()]
@@ -380,3 +480,9 @@ class Supervisor:
                    kinds.count(ExitKind.LOST), kinds.count(ExitKind.ERROR),
                    f" (stopped: {self._stop_reason})" if self._stop_reason else "")
         return status
+
+
+def _is_timeout(err: BaseException) -> bool:
+    """A store operation that got no answer (cut off, or the store's host died) rather than a refusal or reset."""
+    text = str(err).lower()
+    return "timeout" in text or "timed out" in text
