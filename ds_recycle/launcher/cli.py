@@ -221,11 +221,17 @@ def run(args: argparse.Namespace) -> int:
     others = None
     if node0 and args.no_ssh and len(job.layout.nodes) > 1:
         others = OtherNodes(store, job.layout, range(1, len(job.layout.nodes)), args.store_timeout)
-    watch, lease, rejoin = None, None, False
+    watch, lease, lease_store, rejoin = None, None, None, False
     if node0 and not job.store_service:
         watch = NodeWatch(job.layout, job.node_timeout_s, range(1, len(job.layout.nodes)))
     else:
         lease = Lease(job.master_addr, job.master_port, job.node_rank, job.node_timeout_s, args.store_timeout)
-        rejoin = lease.attach(store)
+        try:
+            lease_store = lease.connect()
+            rejoin = lease.beat_before(lease_store)
+        except (RuntimeError, OSError) as err:
+            print(f"ds-recycle launch: error: the store at {job.master_addr}:{job.master_port} went away: {err}",
+                  file=sys.stderr)
+            return 2
     return Supervisor(job, store, workers, remotes, hosts_store=node0, others=others, watch=watch, lease=lease,
-                      rejoin=rejoin).run()
+                      lease_store=lease_store, rejoin=rejoin).run()

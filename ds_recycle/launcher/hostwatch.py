@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.distributed import Store
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 LAYOUT_KEY = "ds_recycle/layout"
 NODE_TIMEOUT_KEY = "ds_recycle/node_timeout"
 HOST_EVENTS_KEY = "ds_recycle/host_events"
-_RECONNECT_EVERY_S = 1.0
+_BEAT_S = 0.25
 
 
 def node_hb_key(node_rank: int) -> str:
@@ -144,7 +145,17 @@ class NodeWatch:
 
 
 class Lease:
-    """One launcher's hold on the store it does not host: heartbeat, fence, reconnect, rejoin."""
+    """One launcher's hold on a store it does not host: heartbeat and fence in threads of their own.
+
+    A TCP store client's operations do not time out when the network goes silent (measured: an ``add`` with a
+    2 s client timeout blocked for the whole 11 s of a cut link, then completed), so no store operation of the
+    supervisor's thread can detect a partition. The lease's *beat thread* bumps the heartbeat through its own
+    client; its *watch thread* fences when no beat has completed for the fence time: it calls ``on_fence``
+    (the supervisor SIGKILLs its node's workers) even while every other thread of the launcher is blocked in the
+    store. While fenced, the beat thread only reads (the watch must see this node silent and declare it lost);
+    a read that completes means the store answers again. After ``give_up_s`` without an answer the launcher
+    process exits with code 75 (lost).
+    """
 
     def __init__(self, addr: str, port: int, node_rank: int, node_timeout_s: float, give_up_s: float) -> None:
         self.addr, self.port, self.node_rank = addr, port, node_rank
@@ -153,38 +164,64 @@ class Lease:
         self.fenced_at: float | None = None
         self.fenced_wall: float | None = None
         self.rejoin_since: float | None = None
-        self._next_try = 0.0
+        self.beating = True
+        self.last_ok = time.monotonic()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
 
-    def attach(self, store: Store) -> bool:
-        """Shorten the store client's timeout to the fence time; True when this node beat before (a rejoin)."""
-        store.set_timeout(timedelta(seconds=fence_time(self.node_timeout_s)))
-        return store.add(node_hb_key(self.node_rank), 0) > 0
-
-    def beat(self, store: Store) -> None:
-        store.add(node_hb_key(self.node_rank), 1)
-
-    def fence(self) -> None:
-        self.fenced_at = time.monotonic()
-        self.fenced_wall = time.time()
-
-    def gave_up(self) -> bool:
-        return self.fenced_at is not None and time.monotonic() - self.fenced_at > self.give_up_s
-
-    def try_reconnect(self) -> Store | None:
-        """A new client of the store, at most once a second; None while it cannot be reached."""
+    def connect(self) -> Store:
+        """The lease's own client of the (running) store."""
         from ds_recycle.launcher.store import connect_store
 
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + _RECONNECT_EVERY_S
-        try:
-            store = connect_store(self.addr, self.port, min(2.0, fence_time(self.node_timeout_s)))
-            store.set_timeout(timedelta(seconds=fence_time(self.node_timeout_s)))
-            store.add(node_hb_key(self.node_rank), 0)
-        except (RuntimeError, OSError):
-            return None
-        return store
+        return connect_store(self.addr, self.port, fence_time(self.node_timeout_s))
+
+    def beat_before(self, store: Store) -> bool:
+        """True when this node's launcher (an earlier one) beat before: its host was lost and this is a rejoin."""
+        return store.add(node_hb_key(self.node_rank), 0) > 0
+
+    def start(self, store: Store, on_fence: Callable[[], None], beating: bool = True) -> None:
+        self.beating = beating
+        self.last_ok = time.monotonic()
+        for target, name in ((self._beat_loop, "lease beat"), (self._watch_loop, "lease watch")):
+            threading.Thread(target=target, args=(store, on_fence) if name == "lease watch" else (store,),
+                             name=name, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat_loop(self, store: Store) -> None:
+        key = node_hb_key(self.node_rank)
+        while not self._stop.wait(_BEAT_S):
+            try:
+                if self.beating:
+                    store.add(key, 1)
+                else:
+                    store.check([key])
+            except (RuntimeError, OSError) as err:  # the store refused or reset: it is gone, not silent
+                self.error = err
+                return
+            self.last_ok = time.monotonic()
+
+    def _watch_loop(self, store: Store, on_fence: Callable[[], None]) -> None:
+        while not self._stop.wait(_BEAT_S):
+            silent = time.monotonic() - self.last_ok
+            if self.error is not None:
+                return  # the store is gone: the supervisor's own store calls fail and stop the job
+            if self.fenced_at is None and silent > fence_time(self.node_timeout_s):
+                self.beating = False
+                self.fenced_at, self.fenced_wall = time.monotonic(), time.time()
+                logger.error("no answer from the store at %s:%d for %.1f s: fencing (SIGKILL to this node's "
+                             "workers); they rejoin as restarted ones once it answers", self.addr, self.port, silent,
+                             extra={"event": "fence", "node": self.node_rank})
+                on_fence()
+            elif self.fenced_at is not None and silent > self.give_up_s:
+                logger.error("no answer from the store for %.0f s: this node leaves the job as lost", silent)
+                on_fence()
+                logging.shutdown()
+                os._exit(LOST_EXIT_CODE)
+
+    def reachable_since_fence(self) -> bool:
+        return self.fenced_at is not None and self.last_ok > self.fenced_at
 
     def declared_lost(self, store: Store) -> bool:
         """The watch has declared this node lost (its ranks' exit keys are written): restarting is safe."""
@@ -193,3 +230,9 @@ class Lease:
     def waited_too_long(self) -> bool:
         """Waiting for the watch's declaration for over two node timeouts: another launcher of this node beats."""
         return self.rejoin_since is not None and time.monotonic() - self.rejoin_since > 2 * self.node_timeout_s + 5
+
+    def resume(self) -> None:
+        """Back in the job: beat again."""
+        self.fenced_at = None
+        self.rejoin_since = None
+        self.beating = True

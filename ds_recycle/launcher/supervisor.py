@@ -27,7 +27,7 @@ from ds_recycle.launcher.job import JobSpec
 from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
 from ds_recycle.launcher.restart_requests import RankState, RestartResult, explain_refusal, judge_restart_request
-from ds_recycle.launcher.worker import LOST_EXIT_CODE, ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
+from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
 
 __all__ = ["Supervisor"]
 
@@ -94,11 +94,11 @@ class Supervisor:
 
     def __init__(self, job: JobSpec, store: Store, workers: Sequence[Worker], remotes: Sequence[Worker] = (),
                  hosts_store: bool = True, others: OtherNodes | None = None, watch: NodeWatch | None = None,
-                 lease: Lease | None = None, rejoin: bool = False) -> None:
+                 lease: Lease | None = None, lease_store: Store | None = None, rejoin: bool = False) -> None:
         """``remotes``: node 0's ssh children; ``others``: nodes started elsewhere (``--no_ssh``) to wait for;
         ``watch``: the node watch of the store's host; ``lease``: this node's lease on a store it does not host;
-        ``rejoin``: this node beat before (its host was lost): start its ranks as restarts once it is declared lost
-        (see :mod:`.hostwatch`)."""
+        ``lease_store``: the lease's own client; ``rejoin``: this node beat before (its host was lost): start its
+        ranks as restarts once it is declared lost (see :mod:`.hostwatch`)."""
         self.job = job
         self.store = store
         self.workers = {w.spec.rank: w for w in workers if w.spec.rank is not None}
@@ -120,9 +120,9 @@ class Supervisor:
         self._t0 = time.monotonic()
         self.watch = watch
         self.lease = lease
+        self.lease_store = lease_store if lease_store is not None else store
         self._rejoining = rejoin
         self._cut_off_s: float | None = None
-        self._gave_up = False
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -132,6 +132,8 @@ class Supervisor:
                     self.store.set(keys.WORLD_SIZE_KEY, str(self.job.layout.world_size))
                     self.store.set(hostwatch.LAYOUT_KEY, self.job.layout.encode())
                     self.store.set(hostwatch.NODE_TIMEOUT_KEY, str(self.job.node_timeout_s))
+                if self.lease is not None:
+                    self.lease.start(self.lease_store, self._fence_now, beating=not self._rejoining)
                 if self._rejoining and self.lease is not None:
                     self.lease.rejoin_since = time.monotonic()
                     logger.warning("node %d ran before (its host was lost): its ranks start as restarts once the "
@@ -156,8 +158,7 @@ class Supervisor:
     def _busy(self) -> bool:
         if any(w.running for w in self._children()) or self._restart_at or self._others_pending:
             return True
-        if self._rejoining or (self.lease is not None and self._store_lost and not self._gave_up
-                               and self._stop_reason is None):
+        if self._rejoining or (self._fenced() and self._stop_reason is None):
             return True  # cut off, reconnecting; or back, waiting to restart this node's ranks
         # several nodes: an error must still reach the other nodes (as ds_recycle/stop) when its grace ends
         if self._error_deadline is not None and len(self.job.layout.nodes) > 1:
@@ -216,7 +217,7 @@ class Supervisor:
             self._publish_exit(exit)
         if self._stop_reason is not None:
             return
-        if self._store_lost and self.lease is not None:
+        if self._fenced():
             return  # fenced: this node's ranks restart only once the store answers again (see _rejoin)
         if exit.rank is None and exit.returncode == _SSH_CONNECTION_LOST:
             logger.warning("%s: the ssh connection was lost; its ranks are judged by the node watch", exit.name)
@@ -266,13 +267,15 @@ class Supervisor:
             self._poll_store()
 
     def _poll_store(self) -> None:
+        if self._fenced() and not self._rejoining:
+            self._restart_at.clear()
+            assert self.lease is not None
+            if self._stop_reason is not None or not self.lease.reachable_since_fence():
+                return  # no store call while cut off: it would block until the link is back
+            self._back_after_fence(self.lease)
         if self._store_lost:
-            if self.lease is not None and self._stop_reason is None:
-                self._reconnect(self.lease)
             return
         try:
-            if self.lease is not None:
-                self.lease.beat(self.store)
             if self.watch is not None:
                 self.watch.poll(self.store)
             if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
@@ -283,9 +286,7 @@ class Supervisor:
             if self._rejoining and self.lease is not None:
                 self._rejoin(self.lease)
         except (RuntimeError, OSError) as err:
-            if self.lease is not None and self._stop_reason is None and _is_timeout(err):
-                self._fence(self.lease, err)
-            elif not self.hosts_store or self.lease is not None:
+            if not self.hosts_store or self.lease is not None:
                 self._store_lost = True
                 idle = self._lingering and not self._restart_at and not any(w.running for w in self.workers.values())
                 if idle:  # only waiting for a restart command: node 0 ended, so did the job
@@ -350,31 +351,19 @@ class Supervisor:
                          None if due is None else max(0.0, due - time.monotonic()), stopping)
 
     # ---- a host cut off, back, or started again (see :mod:`.hostwatch`) -----------------------------------------
-    def _fence(self, lease: Lease, err: BaseException) -> None:
-        """No answer from the store within the fence time: SIGKILL this node's workers now, then reconnect."""
-        self._store_lost = True
-        self._restart_at.clear()
-        lease.fence()
-        logger.error("no answer from the store at %s:%d within %.1f s (%s): fencing, SIGKILL to this node's "
-                     "workers; they rejoin as restarted ones once the store answers again", self.job.master_addr,
-                     self.job.master_port, lease.node_timeout_s / 2, err,
-                     extra={"event": "fence", "node": self.job.node_rank})
-        self._send_all(signal.SIGKILL)
+    def _fenced(self) -> bool:
+        return self.lease is not None and self.lease.fenced_at is not None
 
-    def _reconnect(self, lease: Lease) -> None:
-        if lease.gave_up():
-            self._gave_up = True
-            self._stop_reason = f"cut off from the store for more than {lease.give_up_s:.0f} s"
-            logger.error("giving up: %s; this node leaves as lost", self._stop_reason)
-            return
-        store = lease.try_reconnect()
-        if store is None:
-            return
+    def _fence_now(self) -> None:
+        """Called by the lease's watch thread when the store has been silent for the fence time."""
+        for worker in self.workers.values():
+            worker.send_signal(signal.SIGKILL)
+
+    def _back_after_fence(self, lease: Lease) -> None:
         assert lease.fenced_at is not None
         self._cut_off_s = time.monotonic() - lease.fenced_at + lease.node_timeout_s / 2
-        logger.warning("the store answers again (fenced %.1f s ago)", time.monotonic() - lease.fenced_at)
-        self.store = store
-        self._store_lost = False
+        logger.warning("the store answers again (fenced %.1f s ago); waiting for the node watch to declare this "
+                       "node lost before restarting its ranks", time.monotonic() - lease.fenced_at)
         self._rejoining = True
         lease.rejoin_since = time.monotonic()
 
@@ -408,7 +397,7 @@ class Supervisor:
         hostwatch.record_host_event(self.store, "host_back", self.job.layout, self.job.node_rank, restarted_ranks=restarted,
                           after="partition" if self._cut_off_s is not None else "host restart")
         self._cut_off_s = None
-        lease.fenced_at = None
+        lease.resume()
 
     # ---- actions ----------------------------------------------------------------------------------------------
     def _restart(self, rank: int) -> None:
@@ -469,8 +458,6 @@ class Supervisor:
             status = max(status, 1)
         if self._signal is not None:
             status = 128 + int(self._signal)
-        if self._gave_up:
-            status = LOST_EXIT_CODE  # cut off for good: this node is lost, the job's failure is not its doing
         for exit in sorted(self.exits, key=lambda e: (e.rank is None, e.rank or 0, e.restart_count)):
             logger.info("summary: %s", exit.describe())
         kinds = [ExitKind.ERROR if code is None else exit_kind(code) for code in final.values()]
@@ -481,8 +468,3 @@ class Supervisor:
                    f" (stopped: {self._stop_reason})" if self._stop_reason else "")
         return status
 
-
-def _is_timeout(err: BaseException) -> bool:
-    """A store operation that got no answer (cut off, or the store's host died) rather than a refusal or reset."""
-    text = str(err).lower()
-    return "timeout" in text or "timed out" in text
