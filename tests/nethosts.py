@@ -223,20 +223,20 @@ class NetHosts:
         """Put host ``k``'s link back."""
         _ip("-n", self.switch, "link", "set", f"p{k}", "up")
 
-    def slow(self, k: int, delay_ms: int) -> str:
+    def slow(self, k: int, delay_ms: int, rate_mbit: float = 2.0) -> str:
         """Slow host ``k``'s outgoing traffic: ``netem delay`` if the kernel has it, else a ``tbf`` rate limit.
 
-        Returns what was applied. The ``tbf`` fallback (1 Mbit/s, 64 kB queue) delays bulk transfers, not every
-        packet; ``delay_ms`` is then the queue's latency bound.
+        Returns what was applied. The ``tbf`` fallback (``rate_mbit``) delays bulk transfers, not every packet;
+        ``delay_ms`` is then the longest a packet may wait in its queue.
         """
         dev = ["dev", "eth0", "root"]
         netem = self._tc(k, "qdisc", "add", *dev, "netem", "delay", f"{delay_ms}ms", check=False)
         if netem.returncode == 0:
             self.slow_kind[k] = f"netem delay {delay_ms}ms"
         else:
-            self._tc(k, "qdisc", "add", *dev, "tbf", "rate", "1mbit", "burst", "32kbit", "latency",
-                f"{delay_ms}ms")
-            self.slow_kind[k] = f"tbf rate 1mbit latency {delay_ms}ms (no netem in this kernel)"
+            rate = f"{int(rate_mbit * 1000)}kbit"
+            self._tc(k, "qdisc", "add", *dev, "tbf", "rate", rate, "burst", "32kbit", "latency", f"{delay_ms}ms")
+            self.slow_kind[k] = f"tbf rate {rate} latency {delay_ms}ms (no netem in this kernel)"
         return self.slow_kind[k]
 
     def unslow(self, k: int) -> None:
