@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -49,7 +50,7 @@ from tests.nethosts import NetHosts, namespaces_refused  # noqa: E402
 
 NODE_TIMEOUT_S = 6.0
 CKPT_EVERY = 10
-KILL_AT = 20
+KILL_AT = 25
 
 
 def _median_rate(recs: Sequence[dict[str, Any]]) -> float | None:
@@ -94,6 +95,7 @@ def run_recycle(hosts_n: int, event: str, work: Path, steps: int) -> dict[str, A
         job.start_all_no_ssh()
         job.wait_iteration(KILL_AT, 300)
         event_t = time.time()
+        before = job.metrics()  # a reporter restarted after a fallback starts its metrics file again
         extra: dict[str, Any] = {}
         if event == "host-loss":
             hosts.kill_host(1)
@@ -102,11 +104,11 @@ def run_recycle(hosts_n: int, event: str, work: Path, steps: int) -> dict[str, A
                 job.start_node(1)
         else:
             hosts.cut(1)
-            job.wait_event("host_lost", 60)
+            _wait_log(job, "host event host_lost", 60)  # in node 0's log: the reporter may be on host 1
             extra["cut_s"] = round(time.time() - event_t, 2)
             hosts.heal(1)
         first = _first_full_recycle(job, event_t, 240)
-        lost = job.events("host_lost")
+        lost = [e for rec in before + job.metrics() for e in rec["events"] if e["kind"] == "host_lost"]
         if lost:
             extra["host_lost_declared_after_s"] = round(lost[0]["time_s"] - event_t, 2)
         recovered = job.events("recovered")
@@ -115,7 +117,16 @@ def run_recycle(hosts_n: int, event: str, work: Path, steps: int) -> dict[str, A
                                                                            "redo_s", "salvaged")}
         codes = job.finish(600)
         extra["exit_codes"] = codes
-        return _summary(f"recycle {event}", hosts_n, job.metrics(), event_t, first, extra)
+        recs = [r for r in before if r["unix_time"] <= event_t] + _after(job.metrics(), event_t)
+        return _summary(f"recycle {event}", hosts_n, recs, event_t, first, extra)
+
+
+def _wait_log(job: HostJob, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in job.text("node0"):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{text!r} not in node 0's log within {timeout_s} s: see {job.folder}")
+        time.sleep(0.1)
 
 
 def _deepspeed_nodes(hosts: NetHosts, work: Path, config: Path, steps: int, life: int,
@@ -205,6 +216,7 @@ def main() -> int:
     if reason is not None:
         raise SystemExit(f"benchmarks/hosts.py needs network namespaces: {reason}")
     results = []
+    load_start = os.getloadavg()
     for hosts_n in (int(h) for h in args.hosts.split(",")):
         for scenario in args.scenarios.split(","):
             system, event = scenario.split()
@@ -219,10 +231,11 @@ def main() -> int:
             results.append(res)
             sys.stderr.write(json.dumps(res) + "\n")
     lines = [f"benchmarks/hosts.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             f"machine: {platform.node()} {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores "
+             f"machine: {platform.node()} {platform.machine()}, {len(os.sched_getaffinity(0))} cores "
              f"(shared), Linux {platform.release()}, Python {platform.python_version()}",
              f"command: sudo PYTHONPATH=$PWD .venv/bin/python benchmarks/hosts.py --hosts {args.hosts} "
              f"--steps {args.steps} --scenarios '{args.scenarios}'",
+             f"load average (1 min) at start {load_start[0]:.1f}, at end {os.getloadavg()[0]:.1f}",
              f"node timeout {NODE_TIMEOUT_S} s, checkpoint every {CKPT_EVERY} iterations, event at iteration "
              f"{KILL_AT}, 2 workers a host, tiny GPT (tests/harness.py tiny_config), 2 stages", ""]
     header = f"{'scenario':<20}{'hosts':>6}{'to 1st full it (s)':>20}{'tok/s before':>14}{'tok/s after':>13}"

@@ -123,6 +123,8 @@ class Supervisor:
         self.lease_store = lease_store if lease_store is not None else store
         self._rejoining = rejoin
         self._cut_off_s: float | None = None
+        self._session_node: dict[int, int] = {}
+        """pid of node 0's ssh session -> the node it started (nodes 1.. in layout order)"""
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -138,9 +140,10 @@ class Supervisor:
                     self.lease.rejoin_since = time.monotonic()
                     logger.warning("node %d ran before (its host was lost): its ranks start as restarts once the "
                                    "store's node watch has declared it lost", self.job.node_rank)
-                for worker in self.remotes if self._rejoining else self._children():
+                for worker in [] if self._rejoining else self._children():  # a returning node 0: the others run
                     worker.start()
                     logger.info("started %s as pid %s", worker.spec.name, worker.pid)
+                self._session_node = {w.pid: k for k, w in enumerate(self.remotes, start=1) if w.pid is not None}
                 while self._busy():
                     wake.wait(self._sleep_s())
                     self._on_signals(wake.received)
@@ -219,7 +222,8 @@ class Supervisor:
             return
         if self._fenced():
             return  # fenced: this node's ranks restart only once the store answers again (see _rejoin)
-        if exit.rank is None and exit.returncode == _SSH_CONNECTION_LOST:
+        node = self._session_node.get(exit.pid)
+        if node is not None and exit.returncode == _SSH_CONNECTION_LOST and self._connected(node):
             logger.warning("%s: the ssh connection was lost; its ranks are judged by the node watch", exit.name)
             return
         action = decide(exit, self.job.policy)
@@ -236,8 +240,8 @@ class Supervisor:
 
     def _publish_exit(self, exit: WorkerExit) -> None:
         assert exit.rank is not None
-        if self._store_lost:
-            return
+        if self._store_lost or self._fenced():
+            return  # fenced: the node watch writes this node's exits (a store call would block while cut off)
         try:
             self.store.set(keys.exit_key(exit.rank), str(exit.returncode))
             self.store.add(keys.EXITS_KEY, 1)
@@ -351,6 +355,13 @@ class Supervisor:
                          None if due is None else max(0.0, due - time.monotonic()), stopping)
 
     # ---- a host cut off, back, or started again (see :mod:`.hostwatch`) -----------------------------------------
+    def _connected(self, node: int) -> bool:
+        """Node ``node``'s launcher reached the store at some point (then an ssh failure is a lost session)."""
+        try:
+            return bool(self.store.check([keys.node_key(node)]))
+        except (RuntimeError, OSError):
+            return False
+
     def _fenced(self) -> bool:
         return self.lease is not None and self.lease.fenced_at is not None
 
@@ -373,10 +384,11 @@ class Supervisor:
             self._rejoining = False
             return
         if not lease.declared_lost(self.store):
-            if lease.waited_too_long():
+            if lease.waited_too_long():  # leave alone: the job (and the other launcher) must not be stopped
                 self._rejoining = False
-                self._stop(f"node {self.job.node_rank} is not declared lost: another launcher of this node "
-                           f"still beats, or the store is not watched")
+                self._stop_reason = (f"node {self.job.node_rank} is not declared lost: another launcher of this "
+                                     f"node still beats, or the store is not watched")
+                logger.error("giving up the rejoin: %s", self._stop_reason)
             return
         self._rejoining = False
         restarted = []
