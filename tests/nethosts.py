@@ -226,8 +226,8 @@ class NetHosts:
     def slow(self, k: int, delay_ms: int, rate_mbit: float = 2.0) -> str:
         """Slow host ``k``'s outgoing traffic: ``netem delay`` if the kernel has it, else a ``tbf`` rate limit.
 
-        Returns what was applied. The ``tbf`` fallback (``rate_mbit``) delays bulk transfers, not every packet;
-        ``delay_ms`` is then the longest a packet may wait in its queue.
+        Returns what was applied. The ``tbf`` fallback (``rate_mbit``, a 200 ms queue) delays bulk transfers, not
+        every packet.
         """
         dev = ["dev", "eth0", "root"]
         netem = self._tc(k, "qdisc", "add", *dev, "netem", "delay", f"{delay_ms}ms", check=False)
@@ -235,8 +235,8 @@ class NetHosts:
             self.slow_kind[k] = f"netem delay {delay_ms}ms"
         else:
             rate = f"{int(rate_mbit * 1000)}kbit"
-            self._tc(k, "qdisc", "add", *dev, "tbf", "rate", rate, "burst", "32kbit", "latency", f"{delay_ms}ms")
-            self.slow_kind[k] = f"tbf rate {rate} latency {delay_ms}ms (no netem in this kernel)"
+            self._tc(k, "qdisc", "add", *dev, "tbf", "rate", rate, "burst", "32kbit", "latency", "200ms")
+            self.slow_kind[k] = f"tbf rate {rate} latency 200ms (no netem in this kernel)"
         return self.slow_kind[k]
 
     def unslow(self, k: int) -> None:

@@ -21,7 +21,7 @@ def test_ssh_2x2_over_a_slow_link_trains_the_one_host_model(nethosts: Callable[[
     has no netem) well below the timeouts: no failure, and the final model is the one-host run's."""
     config, reference = reference_2x2
     hosts = nethosts(2)
-    applied = hosts.slow(1, 200)
+    applied = hosts.slow(1, 50)  # every packet of host 1 50 ms late (netem), or its bandwidth 2 Mbit/s (tbf)
     job = HostJob(hosts, tmp_path, config, SHORT_STEPS, slots=2, worker_hosts=[0, 1])
     job.start_ssh()
     codes = job.finish(200)
