@@ -88,7 +88,9 @@ the clock and the file system).
 **Hosts as units of failure** (:mod:`.hostwatch`): every launcher that does not host the store beats in it; the
 store's host declares a node silent for ``--node_timeout`` lost (its ranks get exit code 75); a launcher cut off
 from the store SIGKILLs its own workers after half that time, and restarts them once it is back and declared
-lost. ``ds-recycle store`` (:mod:`.store_cmd`) hosts the store on a host with no workers, so that node 0 can be
+lost. A request (``ds-recycle restart``) for ranks of a node whose host was lost is answered by node 0 when it
+started that node over ssh: it starts the node's launcher again, which restarts the node's ranks.
+``ds-recycle store`` (:mod:`.store_cmd`) hosts the store on a host with no workers, so that node 0 can be
 lost too (``--store_service`` on every launcher). :mod:`.netif` picks gloo's interface when the host name
 resolves to loopback.
 """

@@ -26,7 +26,13 @@ from ds_recycle.launcher.hostwatch import Lease, NodeWatch
 from ds_recycle.launcher.job import JobSpec
 from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
-from ds_recycle.launcher.restart_requests import RankState, RestartResult, explain_refusal, judge_restart_request
+from ds_recycle.launcher.restart_requests import (
+    RankState,
+    Refusal,
+    RestartResult,
+    explain_refusal,
+    judge_restart_request,
+)
 from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
 
 __all__ = ["Supervisor"]
@@ -285,6 +291,7 @@ class Supervisor:
             if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
                 self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
             self._poll_restart_requests()
+            self._poll_lost_sessions()
             if self.others is not None:
                 self._poll_others(self.others)
             if self._rejoining and self.lease is not None:
@@ -320,6 +327,41 @@ class Supervisor:
             if self.store.check([key]):
                 self._answer_restart_request(rank, self.store.get(key).decode())
                 self.store.delete_key(key)
+
+    def _poll_lost_sessions(self) -> None:
+        """Node 0 over ssh: answer requests for ranks of nodes whose session ended (every poll: such a request may
+        come before the watch has declared the node lost, and is answered once it has)."""
+        for session in self.remotes:
+            node = self._session_node.get(session.pid or -1)
+            if node is not None and not session.running:
+                self._answer_lost_node_requests(node, session)
+
+    def _answer_lost_node_requests(self, node: int, session: Worker) -> None:
+        """Requests for ranks of a node whose ssh session has ended and which the watch declared lost (its host
+        died): node 0 starts that node's launcher again over ssh; it restarts all the node's ranks as a returning
+        launcher (see :mod:`.hostwatch`). A node not declared lost is left to answer for itself."""
+        requests = {}
+        for rank in hostwatch.node_ranks(self.job.layout, node):
+            key = keys.restart_request_key(rank)
+            if self.store.check([key]):
+                requests[rank] = self.store.get(key).decode()
+        if not requests or not self.store.check([hostwatch.node_lost_key(node)]):
+            return
+        refusal = Refusal.JOB_STOPPING if self._stop_reason is not None else None
+        if refusal is None:
+            session.start(session.restart_count + 1)
+            self._session_node[session.pid or -1] = node
+            message = (f"node {node}'s launcher started again over ssh as pid {session.pid}; it restarts ranks "
+                       f"{hostwatch.node_ranks(self.job.layout, node)} once it runs")
+        else:
+            message = f"the job is being stopped ({self._stop_reason}); node {node} is not started again"
+        logger.warning("restart request for rank(s) %s of lost node %d: %s", sorted(requests), node, message,
+                       extra={"event": "restart_request", "node": node, "refusal": refusal and refusal.value})
+        for rank, request_id in requests.items():
+            result = RestartResult(request_id, rank, refusal, message, session.pid if refusal is None else None,
+                                   session.restart_count)
+            self.store.set(keys.restart_result_key(rank), result.encode())
+            self.store.delete_key(keys.restart_request_key(rank))
 
     def _answer_restart_request(self, rank: int, request_id: str) -> None:
         state = self._rank_state(rank)
