@@ -9,6 +9,7 @@ Modules are imported only when their sub-command runs, so `ds-recycle plan` neve
 
     ds-recycle launch --num_accelerators 4 launch/train.py --deepspeed_config configs/gpt_cpu_2x2.json
     ds-recycle restart --master_addr 10.0.0.1 --master_port 29500 3
+    ds-recycle store --port 29500          # on a host with no workers; launchers then add --store_service
     ds-recycle compare a.pt b.pt --rtol 1e-5
     ds-recycle plan --stages 4 --pipelines 2 --microbatches 8 --fail 1:2
     ds-recycle simulate --trace shared/traces/oobleck/1h.csv --model gpt3-medium
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("ds_recycle.launcher.cli", "start workers that survive each other's failures"),
     "restart": ("ds_recycle.launcher.restart_cmd", "restart lost ranks of a running `launch` job now"),
+    "store": ("ds_recycle.launcher.store_cmd", "host a job's store as a service that outlives every node"),
     "compare": ("ds_recycle.tools.compare", "compare two --save-final parameter files"),
     "plan": ("ds_recycle.plan.cli", "make, validate, simulate and draw a ReCycle plan"),
     "simulate": ("ds_recycle.cluster.cli", "simulate a cluster over a failure trace"),

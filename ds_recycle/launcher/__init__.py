@@ -79,11 +79,20 @@ What is tested: all of the above on one machine with two launchers as two "nodes
 job status, an error on node 1 stopping node 0, node 1 stopping its workers when node 0 is SIGKILLed, node 1
 restarting its own rank on command; and
 node 0 starting node 1 through its generated ssh command line, run by a stand-in ``ssh`` that executes the
-command locally. **Never run: real ssh and two real machines**, i.e. passwordless login, the same working
-directory and interpreter path on every host, the store reached over a real network at ``--master_addr``
-(its server listens on every interface, checked on one machine), and what ssh does with its session when
-node 0 kills it (the remote launcher stops its workers anyway once it sees ``ds_recycle/stop`` or loses
-the store, within 0.25 s).
+command locally. And across separate network stacks (``tests/hosts/``: 2-4 hosts as Linux network
+namespaces on a private bridge, each with its own sshd): real ssh from node 0, ``--no_ssh`` with one launcher per
+host, a whole host SIGKILLed, a link cut and put back, node 0's host lost under a ``ds-recycle store`` service,
+node 0's launcher SIGKILLed with the default store. Not run: two physical machines (the namespaces share the CPU,
+the clock and the file system).
+
+**Hosts as units of failure** (:mod:`.hostwatch`): every launcher that does not host the store beats in it; the
+store's host declares a node silent for ``--node_timeout`` lost (its ranks get exit code 75); a launcher cut off
+from the store SIGKILLs its own workers after half that time, and restarts them once it is back and declared
+lost. A request (``ds-recycle restart``) for ranks of a node whose host was lost is answered by node 0 when it
+started that node over ssh: it starts the node's launcher again, which restarts the node's ranks.
+``ds-recycle store`` (:mod:`.store_cmd`) hosts the store on a host with no workers, so that node 0 can be
+lost too (``--store_service`` on every launcher). :mod:`.netif` picks gloo's interface when the host name
+resolves to loopback.
 """
 from __future__ import annotations
 

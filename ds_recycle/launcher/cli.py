@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ds_recycle.launcher.hosts import Layout, resolve_layout
 from ds_recycle.launcher.job import JobSpec, Program, worker_specs
+from ds_recycle.launcher.netif import gloo_interface_env
 from ds_recycle.launcher.policy import ExitPolicy
 from ds_recycle.launcher.remote import default_env_files, exported_env, ssh_command
 from ds_recycle.launcher.worker import OutputSink, Worker, WorkerSpec
@@ -54,7 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--node_rank", type=int, default=0, help="this node's index in the layout (with --no_ssh)")
     where.add_argument("--world_info", default=None, help=argparse.SUPPRESS)
     where.add_argument("--store_timeout", type=float, default=120.0,
-                       help="seconds a remote node waits for node 0's store (default 120)")
+                       help="seconds a remote node waits for node 0's store, and a node cut off from the store "
+                            "tries to reach it again before it leaves as lost (default 120)")
+    where.add_argument("--store_service", action="store_true",
+                       help="the store at --master_addr:--master_port is a `ds-recycle store` service (on a host "
+                            "with no workers): node 0 connects to it instead of hosting it, so node 0 can be lost")
+    where.add_argument("--node_timeout", type=float, default=10.0,
+                       help="a node whose launcher's heartbeat has not reached the store for this long is lost: "
+                            "its ranks count as lost; a node cut off from the store SIGKILLs its own workers "
+                            "after half of it (default 10)")
 
     how = parser.add_argument_group("how each worker runs")
     how.add_argument("--threads_per_worker", type=int, default=None,
@@ -126,8 +135,11 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
     log_ranks = _parse_log_ranks(args.log_ranks)
     if log_ranks is not None and not log_ranks <= set(range(layout.world_size)):
         raise ValueError(f"--log_ranks {args.log_ranks}: the job has ranks 0..{layout.world_size - 1}")
-    job = JobSpec(layout, args.node_rank, _master_addr(args, layout), master_port, program, policy,
-                  threads or None, log_ranks, dict(os.environ), cuda_available=cuda_devices > 0)
+    master_addr = _master_addr(args, layout)
+    env = {**os.environ, **gloo_interface_env(master_addr, os.environ, len(layout.nodes) > 1)}
+    job = JobSpec(layout, args.node_rank, master_addr, master_port, program, policy,
+                  threads or None, log_ranks, env, cuda_available=cuda_devices > 0,
+                  node_timeout_s=args.node_timeout, store_service=args.store_service)
     worker_specs(job)  # raises ValueError now for what only the per-rank environment can reveal
     return job
 
@@ -168,8 +180,10 @@ def _open_store(job: JobSpec, args: argparse.Namespace) -> TCPStore:
     """Node 0 hosts the store (``--master_port 0``: any free port); other nodes connect and announce themselves."""
     from ds_recycle.launcher import store as stores
 
-    if job.node_rank == 0:
+    if job.node_rank == 0 and not job.store_service:
         return stores.host_store(job.master_addr, args.master_port, args.store_timeout)
+    if args.master_port == 0:
+        raise OSError("--master_port 0 with a store this launcher does not host: give the store's port")
     store = stores.connect_store(job.master_addr, args.master_port, args.store_timeout)
     try:
         store.set(stores.node_key(job.node_rank), socket.gethostname())
@@ -182,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     _setup_logging(args.node_rank)
     import torch  # deferred: `ds-recycle launch --help` stays fast
 
+    from ds_recycle.launcher.hostwatch import Lease, NodeWatch
     from ds_recycle.launcher.nodes import OtherNodes
     from ds_recycle.launcher.supervisor import Supervisor
 
@@ -206,4 +221,17 @@ def run(args: argparse.Namespace) -> int:
     others = None
     if node0 and args.no_ssh and len(job.layout.nodes) > 1:
         others = OtherNodes(store, job.layout, range(1, len(job.layout.nodes)), args.store_timeout)
-    return Supervisor(job, store, workers, remotes, hosts_store=node0, others=others).run()
+    watch, lease, lease_store, rejoin = None, None, None, False
+    if node0 and not job.store_service:
+        watch = NodeWatch(job.layout, job.node_timeout_s, range(1, len(job.layout.nodes)))
+    else:
+        lease = Lease(job.master_addr, job.master_port, job.node_rank, job.node_timeout_s, args.store_timeout)
+        try:
+            lease_store = lease.connect()
+            rejoin = lease.beat_before(lease_store)
+        except (RuntimeError, OSError) as err:
+            print(f"ds-recycle launch: error: the store at {job.master_addr}:{job.master_port} went away: {err}",
+                  file=sys.stderr)
+            return 2
+    return Supervisor(job, store, workers, remotes, hosts_store=node0, others=others, watch=watch, lease=lease,
+                      lease_store=lease_store, rejoin=rejoin).run()

@@ -61,6 +61,15 @@ class JobSpec:
     """Ranks whose stdout is shown (stderr is always shown); None: all."""
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ), hash=False)
     cuda_available: bool = False
+    node_timeout_s: float = 10.0
+    """A node whose launcher's heartbeat has not moved for this long is lost (see :mod:`.hostwatch`)."""
+    store_service: bool = False
+    """The store is a ``ds-recycle store`` service at ``master_addr:master_port``: node 0 connects to it too."""
+
+    def __post_init__(self) -> None:
+        if not self.node_timeout_s > 0:
+            raise ValueError(f"--node_timeout {self.node_timeout_s}: give a positive number of seconds (default 10; "
+                             f"a launcher cut off from the store fences its workers after half of it)")
 
     @property
     def local_ranks(self) -> range:

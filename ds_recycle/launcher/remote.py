@@ -45,12 +45,12 @@ def launcher_argv(job: JobSpec, node_rank: int) -> list[str]:
             "--world_info", job.layout.encode(), "--master_addr", job.master_addr,
             "--master_port", str(job.master_port), "--threads_per_worker", str(job.threads_per_worker or 0),
             "--error_grace", str(policy.error_grace_s), "--kill_grace", str(policy.kill_grace_s),
-            "--max_restarts", str(policy.max_restarts)]
+            "--max_restarts", str(policy.max_restarts), "--node_timeout", str(job.node_timeout_s)]
     if job.log_ranks is not None:
         argv += ["--log_ranks", ",".join(str(r) for r in sorted(job.log_ranks))]
     if policy.restart_after_s is not None:
         argv += ["--restart_failed_after", str(policy.restart_after_s)]
-    flags = {"--strict": policy.strict, "--module": program.module, "--no_python": program.no_python,
+    flags = {"--store_service": job.store_service, "--strict": policy.strict, "--module": program.module, "--no_python": program.no_python,
              "--no_local_rank": not program.pass_local_rank}
     argv += [flag for flag, on in flags.items() if on]
     return argv + [program.target, *program.args]

@@ -1,4 +1,5 @@
-"""The job's rendezvous store, hosted by the launcher of node 0 so that it outlives every worker.
+"""The job's rendezvous store, hosted by the launcher of node 0 (or by ``ds-recycle store``) so that it outlives
+every worker.
 
 Keys the launchers write (the failure handler of the workers reads them; all values are UTF-8 text):
 
@@ -34,6 +35,9 @@ Keys the launchers write (the failure handler of the workers reads them; all val
 ``ds_recycle/fence_requests``       counter (``store.add``) of fence requests so far, polled like
                                     ``restart_requests``.
 ==================================  ==============================================================================
+
+The keys of hosts as units of failure (node heartbeats, ``node_lost``, the job's layout and node timeout, host
+events) are described in :mod:`.hostwatch`.
 
 Workers reach the store at ``DS_RECYCLE_STORE`` (``host:port``, the same as ``MASTER_ADDR:MASTER_PORT``);
 torch's env:// rendezvous connects to it as a client because the launcher sets

@@ -20,12 +20,20 @@ from types import FrameType, TracebackType
 
 from torch.distributed import Store
 
+from ds_recycle.launcher import hostwatch
 from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.fencing import poll_fence_requests
+from ds_recycle.launcher.hostwatch import Lease, NodeWatch
 from ds_recycle.launcher.job import JobSpec
 from ds_recycle.launcher.nodes import OtherNodes
 from ds_recycle.launcher.policy import Action, decide, job_status
-from ds_recycle.launcher.restart_requests import RankState, RestartResult, explain_refusal, judge_restart_request
+from ds_recycle.launcher.restart_requests import (
+    RankState,
+    Refusal,
+    RestartResult,
+    explain_refusal,
+    judge_restart_request,
+)
 from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
 
 __all__ = ["Supervisor"]
@@ -37,6 +45,8 @@ _MAX_SLEEP_S = 0.5
 _OUTPUT_DRAIN_S = 2.0
 #: extra time a remote node's launcher gets after the kill grace to stop its own workers and report them
 _REMOTE_SLACK_S = 3.0
+#: ssh's own exit status when the connection failed or was lost (the remote command's status otherwise)
+_SSH_CONNECTION_LOST = 255
 
 
 class _Wakeup:
@@ -90,8 +100,12 @@ class Supervisor:
     """Runs one node's share of a job to the end and returns the launcher's exit status."""
 
     def __init__(self, job: JobSpec, store: Store, workers: Sequence[Worker], remotes: Sequence[Worker] = (),
-                 hosts_store: bool = True, others: OtherNodes | None = None) -> None:
-        """``remotes``: node 0's ssh children; ``others``: nodes started elsewhere (``--no_ssh``) to wait for."""
+                 hosts_store: bool = True, others: OtherNodes | None = None, watch: NodeWatch | None = None,
+                 lease: Lease | None = None, lease_store: Store | None = None, rejoin: bool = False) -> None:
+        """``remotes``: node 0's ssh children; ``others``: nodes started elsewhere (``--no_ssh``) to wait for;
+        ``watch``: the node watch of the store's host; ``lease``: this node's lease on a store it does not host;
+        ``lease_store``: the lease's own client; ``rejoin``: this node beat before (its host was lost): start its
+        ranks as restarts once it is declared lost (see :mod:`.hostwatch`)."""
         self.job = job
         self.store = store
         self.workers = {w.spec.rank: w for w in workers if w.spec.rank is not None}
@@ -114,6 +128,13 @@ class Supervisor:
         self._restart_all_pending: set[int] = set()
         self._lingering = False
         self._t0 = time.monotonic()
+        self.watch = watch
+        self.lease = lease
+        self.lease_store = lease_store if lease_store is not None else store
+        self._rejoining = rejoin
+        self._cut_off_s: float | None = None
+        self._session_node: dict[int, int] = {}
+        """pid of node 0's ssh session -> the node it started (nodes 1.. in layout order)"""
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -121,9 +142,18 @@ class Supervisor:
             with _Wakeup() as wake:
                 if self.hosts_store:
                     self.store.set(keys.WORLD_SIZE_KEY, str(self.job.layout.world_size))
-                for worker in self._children():
+                    self.store.set(hostwatch.LAYOUT_KEY, self.job.layout.encode())
+                    self.store.set(hostwatch.NODE_TIMEOUT_KEY, str(self.job.node_timeout_s))
+                if self.lease is not None:
+                    self.lease.start(self.lease_store, self._fence_now, beating=not self._rejoining)
+                if self._rejoining and self.lease is not None:
+                    self.lease.rejoin_since = time.monotonic()
+                    logger.warning("node %d ran before (its host was lost): its ranks start as restarts once the "
+                                   "store's node watch has declared it lost", self.job.node_rank)
+                for worker in [] if self._rejoining else self._children():  # a returning node 0: the others run
                     worker.start()
                     logger.info("started %s as pid %s", worker.spec.name, worker.pid)
+                self._session_node = {w.pid: k for k, w in enumerate(self.remotes, start=1) if w.pid is not None}
                 while self._busy():
                     wake.wait(self._sleep_s())
                     self._on_signals(wake.received)
@@ -141,6 +171,8 @@ class Supervisor:
     def _busy(self) -> bool:
         if any(w.running for w in self._children()) or self._restart_at or self._others_pending:
             return True
+        if self._rejoining or (self._fenced() and self._stop_reason is None):
+            return True  # cut off, reconnecting; or back, waiting to restart this node's ranks
         # several nodes: an error must still reach the other nodes (as ds_recycle/stop) when its grace ends
         if self._error_deadline is not None and len(self.job.layout.nodes) > 1:
             return True
@@ -198,6 +230,12 @@ class Supervisor:
             self._publish_exit(exit)
         if self._stop_reason is not None:
             return
+        if self._fenced():
+            return  # fenced: this node's ranks restart only once the store answers again (see _rejoin)
+        node = self._session_node.get(exit.pid)
+        if node is not None and exit.returncode == _SSH_CONNECTION_LOST and self._connected(node):
+            logger.warning("%s: the ssh connection was lost; its ranks are judged by the node watch", exit.name)
+            return
         if exit.rank in self._restart_all_pending and exit.kind is ExitKind.LOST:
             self._restart_for_fallback(exit.rank)
             return
@@ -215,8 +253,8 @@ class Supervisor:
 
     def _publish_exit(self, exit: WorkerExit) -> None:
         assert exit.rank is not None
-        if self._store_lost:
-            return
+        if self._store_lost or self._fenced():
+            return  # fenced: the node watch writes this node's exits (a store call would block while cut off)
         try:
             self.store.set(keys.exit_key(exit.rank), str(exit.returncode))
             self.store.add(keys.EXITS_KEY, 1)
@@ -246,18 +284,29 @@ class Supervisor:
             self._poll_store()
 
     def _poll_store(self) -> None:
+        if self._fenced() and not self._rejoining:
+            self._restart_at.clear()
+            assert self.lease is not None
+            if self._stop_reason is not None or not self.lease.reachable_since_fence():
+                return  # no store call while cut off: it would block until the link is back
+            self._back_after_fence(self.lease)
         if self._store_lost:
             return
         try:
+            if self.watch is not None:
+                self.watch.poll(self.store)
             if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
                 self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
             self._poll_restart_requests()
             self._fences_seen = poll_fence_requests(self.store, self.workers, self._fences_seen)
             self._poll_restart_all()
+            self._poll_lost_sessions()
             if self.others is not None:
                 self._poll_others(self.others)
+            if self._rejoining and self.lease is not None:
+                self._rejoin(self.lease)
         except (RuntimeError, OSError) as err:
-            if not self.hosts_store:
+            if not self.hosts_store or self.lease is not None:
                 self._store_lost = True
                 idle = self._lingering and not self._restart_at and not any(w.running for w in self.workers.values())
                 if idle:  # only waiting for a restart command: node 0 ended, so did the job
@@ -312,6 +361,41 @@ class Supervisor:
                 self._answer_restart_request(rank, self.store.get(key).decode())
                 self.store.delete_key(key)
 
+    def _poll_lost_sessions(self) -> None:
+        """Node 0 over ssh: answer requests for ranks of nodes whose session ended (every poll: such a request may
+        come before the watch has declared the node lost, and is answered once it has)."""
+        for session in self.remotes:
+            node = self._session_node.get(session.pid or -1)
+            if node is not None and not session.running:
+                self._answer_lost_node_requests(node, session)
+
+    def _answer_lost_node_requests(self, node: int, session: Worker) -> None:
+        """Requests for ranks of a node whose ssh session has ended and which the watch declared lost (its host
+        died): node 0 starts that node's launcher again over ssh; it restarts all the node's ranks as a returning
+        launcher (see :mod:`.hostwatch`). A node not declared lost is left to answer for itself."""
+        requests = {}
+        for rank in hostwatch.node_ranks(self.job.layout, node):
+            key = keys.restart_request_key(rank)
+            if self.store.check([key]):
+                requests[rank] = self.store.get(key).decode()
+        if not requests or not self.store.check([hostwatch.node_lost_key(node)]):
+            return
+        refusal = Refusal.JOB_STOPPING if self._stop_reason is not None else None
+        if refusal is None:
+            session.start(session.restart_count + 1)
+            self._session_node[session.pid or -1] = node
+            message = (f"node {node}'s launcher started again over ssh as pid {session.pid}; it restarts ranks "
+                       f"{hostwatch.node_ranks(self.job.layout, node)} once it runs")
+        else:
+            message = f"the job is being stopped ({self._stop_reason}); node {node} is not started again"
+        logger.warning("restart request for rank(s) %s of lost node %d: %s", sorted(requests), node, message,
+                       extra={"event": "restart_request", "node": node, "refusal": refusal and refusal.value})
+        for rank, request_id in requests.items():
+            result = RestartResult(request_id, rank, refusal, message, session.pid if refusal is None else None,
+                                   session.restart_count)
+            self.store.set(keys.restart_result_key(rank), result.encode())
+            self.store.delete_key(keys.restart_request_key(rank))
+
     def _answer_restart_request(self, rank: int, request_id: str) -> None:
         state = self._rank_state(rank)
         refusal = judge_restart_request(state, self.job.policy)
@@ -344,6 +428,63 @@ class Supervisor:
             stopping = f"a worker failed; the others are stopped in {self._error_deadline - time.monotonic():.1f} s"
         return RankState(rank, worker.pid if worker.running else None, last, worker.restart_count,
                          None if due is None else max(0.0, due - time.monotonic()), stopping)
+
+    # ---- a host cut off, back, or started again (see :mod:`.hostwatch`) -----------------------------------------
+    def _connected(self, node: int) -> bool:
+        """Node ``node``'s launcher reached the store at some point (then an ssh failure is a lost session)."""
+        try:
+            return bool(self.store.check([keys.node_key(node)]))
+        except (RuntimeError, OSError):
+            return False
+
+    def _fenced(self) -> bool:
+        return self.lease is not None and self.lease.fenced_at is not None
+
+    def _fence_now(self) -> None:
+        """Called by the lease's watch thread when the store has been silent for the fence time."""
+        for worker in self.workers.values():
+            worker.send_signal(signal.SIGKILL)
+
+    def _back_after_fence(self, lease: Lease) -> None:
+        assert lease.fenced_at is not None
+        self._cut_off_s = time.monotonic() - lease.fenced_at + lease.node_timeout_s / 2
+        logger.warning("the store answers again (fenced %.1f s ago); waiting for the node watch to declare this "
+                       "node lost before restarting its ranks", time.monotonic() - lease.fenced_at)
+        self._rejoining = True
+        lease.rejoin_since = time.monotonic()
+
+    def _rejoin(self, lease: Lease) -> None:
+        """Once the watch has declared this node lost, restart its unfinished ranks and record the host events."""
+        if self._stop_reason is not None:
+            self._rejoining = False
+            return
+        if not lease.declared_lost(self.store):
+            if lease.waited_too_long():  # leave alone: the job (and the other launcher) must not be stopped
+                self._rejoining = False
+                self._stop_reason = (f"node {self.job.node_rank} is not declared lost: another launcher of this "
+                                     f"node still beats, or the store is not watched")
+                logger.error("giving up the rejoin: %s", self._stop_reason)
+            return
+        self._rejoining = False
+        restarted = []
+        for rank in sorted(self.workers):
+            worker = self.workers[rank]
+            if worker.running or keys.read_int(self.store, keys.exit_key(rank)) == 0:
+                continue  # finished before the host was lost
+            worker.restart_count = max(worker.restart_count, keys.read_int(self.store, keys.restarted_key(rank)) or 0)
+            if worker.restart_count >= self.job.policy.max_restarts:
+                logger.error("rank %d is not restarted: out of --max_restarts %d", rank, self.job.policy.max_restarts)
+                continue
+            self._restart(rank)
+            restarted.append(rank)
+        self.store.delete_key(hostwatch.node_lost_key(self.job.node_rank))
+        if self._cut_off_s is not None:
+            hostwatch.record_host_event(self.store, "host_partitioned", self.job.layout, self.job.node_rank,
+                              cut_off_s=round(self._cut_off_s, 3), fenced_at=lease.fenced_wall)
+        hostwatch.record_host_event(self.store, "host_back", self.job.layout, self.job.node_rank, restarted_ranks=restarted,
+                          after="partition" if self._cut_off_s is not None else "host restart")
+        self._cut_off_s = None
+        lease.resume()
 
     # ---- actions ----------------------------------------------------------------------------------------------
     def _restart(self, rank: int) -> None:
@@ -413,3 +554,4 @@ class Supervisor:
                    kinds.count(ExitKind.LOST), kinds.count(ExitKind.ERROR),
                    f" (stopped: {self._stop_reason})" if self._stop_reason else "")
         return status
+

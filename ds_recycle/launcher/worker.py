@@ -115,11 +115,17 @@ class OutputSink:
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._lock = threading.Lock()
+        self._broken = False
 
     def write_line(self, line: str) -> None:
         with self._lock:
-            self._stream.write(line if line.endswith("\n") else line + "\n")
-            self._stream.flush()
+            if self._broken:
+                return
+            try:
+                self._stream.write(line if line.endswith("\n") else line + "\n")
+                self._stream.flush()
+            except (OSError, ValueError):  # e.g. the ssh session that carried it is gone: keep draining, drop lines
+                self._broken = True
 
     def pump(self, pipe: IO[bytes], prefix: str) -> threading.Thread:
         """Forward ``pipe`` line by line until EOF, in a daemon thread."""

@@ -20,12 +20,16 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ds_recycle.config import ConfigError, TrainConfig, load_config
 from ds_recycle.resilience.world import World, init_worker
 from ds_recycle.train.runner import Runner
 
 logger = logging.getLogger("ds_recycle.train")
+
+if TYPE_CHECKING:
+    from ds_recycle.launcher.hostwatch import HostEvents
 
 __all__ = ["main", "parse_args"]
 
@@ -122,6 +126,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _train(cfg, args)
 
 
+class _HostEventFeed:
+    """The launchers' host events (lost, partitioned, back) for the reporter's metrics; nothing without them.
+
+    A reporter that takes over from a dead one starts at the events recorded so far (the dead one had them).
+    """
+
+    def __init__(self, takeover: bool) -> None:
+        self._events: HostEvents | None = None
+        if os.environ.get("DS_RECYCLE_LAUNCHER") != "1" or not os.environ.get("DS_RECYCLE_STORE"):
+            return
+        from ds_recycle.launcher.hostwatch import HostEvents
+        from ds_recycle.resilience.store import connect_store
+
+        try:
+            self._events = HostEvents(connect_store(30.0))
+            if takeover:
+                self._events.drain()
+        except (RuntimeError, OSError) as err:
+            logger.warning("host events are not reported: the launcher's store cannot be read (%s)", err)
+            self._events = None
+
+    def drain(self) -> list[dict[str, Any]]:
+        if self._events is None:
+            return []
+        try:
+            return list(self._events.drain())
+        except (RuntimeError, OSError, ValueError) as err:
+            logger.warning("could not read the host events: %s", err)
+            return []
+
+
 def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
     from ds_recycle.train.metrics import MetricsWriter
 
@@ -145,6 +180,7 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
                              "offline"), run_name=args.run_name, append=takeover or continued)
 
     metrics = open_metrics(False) if runner.is_reporter() else None
+    hosts = _HostEventFeed(takeover=False) if metrics is not None else None
     start = _resume(runner, args)  # a restarted worker that joined the running job catches up inside the engine
     first_loss = last_loss = None
     for it in range(start, args.steps):
@@ -153,8 +189,9 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
         dt = time.perf_counter() - t0
         if metrics is None and runner.is_reporter():  # the reporter died and this rank took over
             metrics = open_metrics(True)
+            hosts = _HostEventFeed(takeover=True)
         if metrics is not None:
-            rec = metrics.record(it, result, dt)
+            rec = metrics.record(it, result, dt, hosts.drain() if hosts is not None else ())
             first_loss = result.loss if first_loss is None else first_loss
             last_loss = result.loss
             if it % args.log_interval == 0 or it == args.steps - 1:

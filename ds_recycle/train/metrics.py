@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -69,19 +70,22 @@ class MetricsWriter:
             self._wandb = wandb.init(project=project, name=run_name, config=run_config, mode=wandb_mode,  # type: ignore[arg-type]
                                      dir=os.environ.get("WANDB_DIR"))
 
-    def record(self, iteration: int, result: IterationResult, iter_time_s: float) -> dict[str, Any]:
-        """Write and return the record of one iteration."""
+    def record(self, iteration: int, result: IterationResult, iter_time_s: float,
+               host_events: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+        """Write and return the record of one iteration; ``host_events`` (host lost, partitioned, back: recorded
+        by the launchers, see ``ds_recycle.launcher.hostwatch``) join the iteration's events."""
+        events = [*result.events, *host_events]
         rec = {"iter": iteration, "loss": result.loss, "iter_time_s": iter_time_s,
                "tokens_per_s": self.tokens_per_iteration / iter_time_s if iter_time_s > 0 else None,
                "live_workers": result.live_workers, "rerouted_microbatches": result.rerouted_microbatches,
-               "events": list(result.events), "time_s": time.monotonic() - self.start,
+               "events": events, "time_s": time.monotonic() - self.start,
                "unix_time": time.time()}
         if self._file:
             self._file.write(json.dumps(rec) + "\n")
             self._file.flush()
         if self._wandb is not None:
             self._wandb.log(wandb_row(rec), step=iteration)
-            self._events += [[iteration, e["kind"], e["time_s"], json.dumps(e)] for e in result.events]
+            self._events += [[iteration, e["kind"], e["time_s"], json.dumps(e)] for e in events]
         return rec
 
     def close(self, summary: dict[str, Any]) -> None:

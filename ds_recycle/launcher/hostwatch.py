@@ -1,0 +1,238 @@
+"""Hosts as units of failure: node heartbeats, the watch that declares a silent node lost, and host events.
+
+Every launcher that does not host the store holds a *lease* on it (:class:`Lease`): it bumps
+``ds_recycle/node_hb/<k>`` at every store poll (0.25 s), with the store client's timeout set to the *fence
+time* (half of ``--node_timeout``). Whoever hosts the store (node 0's launcher, or ``ds-recycle store``) runs
+the :class:`NodeWatch`: a node whose heartbeat counter has not moved for ``--node_timeout`` seconds (its host
+died, or its link is cut) is declared lost: every rank of that node without an exit key gets exit code 75
+(lost) through ``compare_set``, the exit counter moves (so the workers' failure handler sees the loss within
+milliseconds, as for a single dead worker), then ``ds_recycle/node_lost/<k>`` is written and a ``host_lost``
+event recorded.
+
+No split brain: a launcher cut off from the store fails its next store operation within the fence time and
+SIGKILLs its own workers at once (:meth:`Lease.fence`), before the watch can declare it lost (fence time <
+node timeout), so its workers never train on or write a checkpoint after the others went on without them.
+The cut-off launcher then tries to reconnect (every second, for ``--store_timeout`` seconds; then it exits
+with code 75, lost). Once connected again it waits until the watch has declared its node lost (so the watch
+never writes an exit key over a restarted rank), restarts its ranks as restarted ones (they rejoin the running
+job, or enter the fallback's new generation), deletes ``node_lost/<k>`` and records ``host_partitioned`` and
+``host_back``. A launcher started on a host whose node already beat before (the host was lost and its launcher
+is started again, ``ds-recycle launch --no_ssh --node_rank K``) does the same from its start.
+
+Keys (UTF-8 text): ``ds_recycle/node_hb/<k>`` (counter), ``ds_recycle/layout`` (the job's layout, written by
+node 0, read by a ``ds-recycle store`` service), ``ds_recycle/node_timeout``, ``ds_recycle/node_lost/<k>``
+(why), ``ds_recycle/host_events`` (counter) and ``ds_recycle/host_event/<n>`` (one JSON event: ``kind`` in
+``host_lost``, ``host_partitioned``, ``host_back``; ``node``, ``host``, ``ranks``, ``time_s``, and details).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed import Store
+
+from ds_recycle.launcher import store as keys
+from ds_recycle.launcher.hosts import Layout
+from ds_recycle.launcher.worker import LOST_EXIT_CODE
+
+__all__ = ["HOST_EVENTS_KEY", "LAYOUT_KEY", "NODE_TIMEOUT_KEY", "HostEvents", "Lease", "NodeWatch", "fence_time",
+           "node_hb_key", "node_lost_key", "node_ranks", "record_host_event"]
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_KEY = "ds_recycle/layout"
+NODE_TIMEOUT_KEY = "ds_recycle/node_timeout"
+HOST_EVENTS_KEY = "ds_recycle/host_events"
+_BEAT_S = 0.25
+
+
+def node_hb_key(node_rank: int) -> str:
+    return f"ds_recycle/node_hb/{node_rank}"
+
+
+def node_lost_key(node_rank: int) -> str:
+    return f"ds_recycle/node_lost/{node_rank}"
+
+
+def host_event_key(index: int) -> str:
+    return f"ds_recycle/host_event/{index}"
+
+
+def fence_time(node_timeout_s: float) -> float:
+    """How long a launcher's store operation may take before it fences its workers: half the node timeout."""
+    return node_timeout_s / 2
+
+
+def node_ranks(layout: Layout, node_rank: int) -> list[int]:
+    first = layout.offset(node_rank)
+    return list(range(first, first + len(layout.nodes[node_rank].slots)))
+
+
+def record_host_event(store: Store, kind: str, layout: Layout, node_rank: int, **details: Any) -> dict[str, Any]:
+    """Append one host event to the store's list (read by the metrics reporter) and log it."""
+    event = {"kind": kind, "time_s": time.time(), "node": node_rank, "host": layout.nodes[node_rank].host,
+             "ranks": node_ranks(layout, node_rank), **details}
+    index = store.add(HOST_EVENTS_KEY, 1)
+    store.set(host_event_key(index), json.dumps(event))
+    logger.warning("host event %s: node %d (%s) %s", kind, node_rank, event["host"], details,
+                   extra={"event": kind, **event})
+    return event
+
+
+class HostEvents:
+    """Reads the host events recorded since the last call (the metrics reporter drains it every iteration)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._seen = 0
+
+    def drain(self) -> list[dict[str, Any]]:
+        count = self.store.add(HOST_EVENTS_KEY, 0)
+        events = [json.loads(self.store.get(host_event_key(i)).decode()) for i in range(self._seen + 1, count + 1)]
+        self._seen = count
+        return events
+
+
+class NodeWatch:
+    """Run by whoever hosts the store: declares nodes whose heartbeat stopped lost (see the module docstring)."""
+
+    def __init__(self, layout: Layout, node_timeout_s: float, watched: Sequence[int]) -> None:
+        self.layout = layout
+        self.node_timeout_s = node_timeout_s
+        self.watched = tuple(watched)
+        self._last: dict[int, tuple[int, float]] = {}
+        self.lost: set[int] = set()
+
+    def poll(self, store: Store, now: float | None = None) -> list[int]:
+        """Look at every watched node's heartbeat once; returns the nodes declared lost by this call."""
+        now = time.monotonic() if now is None else now
+        declared = []
+        for k in self.watched:
+            beats = store.add(node_hb_key(k), 0)
+            if k in self.lost:
+                if not store.check([node_lost_key(k)]):  # its launcher is back and restarted its ranks
+                    self.lost.discard(k)
+                    self._last[k] = (beats, now)
+                continue
+            if beats == 0:
+                continue  # not connected yet: whether it ever connects is the connect timeout's business
+            last = self._last.get(k)
+            if last is None or beats != last[0]:
+                self._last[k] = (beats, now)
+            elif now - last[1] >= self.node_timeout_s:
+                self._declare_lost(store, k, now - last[1])
+                declared.append(k)
+        return declared
+
+    def _declare_lost(self, store: Store, k: int, silent_s: float) -> None:
+        marked = []
+        for rank in node_ranks(self.layout, k):
+            key = keys.exit_key(rank)
+            if store.compare_set(key, "", str(LOST_EXIT_CODE)).decode() == str(LOST_EXIT_CODE):
+                marked.append(rank)
+        if marked:
+            store.add(keys.EXITS_KEY, 1)
+        reason = f"no heartbeat for {silent_s:.1f} s (host lost or cut off)"
+        store.set(node_lost_key(k), reason)
+        self.lost.add(k)
+        record_host_event(store, "host_lost", self.layout, k, silent_s=round(silent_s, 3), marked_lost=marked,
+                          node_timeout_s=self.node_timeout_s)
+
+
+class Lease:
+    """One launcher's hold on a store it does not host: heartbeat and fence in threads of their own.
+
+    A TCP store client's operations do not time out when the network goes silent (measured: an ``add`` with a
+    2 s client timeout blocked for the whole 11 s of a cut link, then completed), so no store operation of the
+    supervisor's thread can detect a partition. The lease's *beat thread* bumps the heartbeat through its own
+    client; its *watch thread* fences when no beat has completed for the fence time: it calls ``on_fence``
+    (the supervisor SIGKILLs its node's workers) even while every other thread of the launcher is blocked in the
+    store. While fenced, the beat thread only reads (the watch must see this node silent and declare it lost);
+    a read that completes means the store answers again. After ``give_up_s`` without an answer the launcher
+    process exits with code 75 (lost).
+    """
+
+    def __init__(self, addr: str, port: int, node_rank: int, node_timeout_s: float, give_up_s: float) -> None:
+        self.addr, self.port, self.node_rank = addr, port, node_rank
+        self.node_timeout_s = node_timeout_s
+        self.give_up_s = give_up_s
+        self.fenced_at: float | None = None
+        self.fenced_wall: float | None = None
+        self.rejoin_since: float | None = None
+        self.beating = True
+        self.last_ok = time.monotonic()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+
+    def connect(self) -> Store:
+        """The lease's own client of the (running) store."""
+        from ds_recycle.launcher.store import connect_store
+
+        return connect_store(self.addr, self.port, fence_time(self.node_timeout_s))
+
+    def beat_before(self, store: Store) -> bool:
+        """True when this node's launcher (an earlier one) beat before: its host was lost and this is a rejoin."""
+        return store.add(node_hb_key(self.node_rank), 0) > 0
+
+    def start(self, store: Store, on_fence: Callable[[], None], beating: bool = True) -> None:
+        self.beating = beating
+        self.last_ok = time.monotonic()
+        for target, name in ((self._beat_loop, "lease beat"), (self._watch_loop, "lease watch")):
+            threading.Thread(target=target, args=(store, on_fence) if name == "lease watch" else (store,),
+                             name=name, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat_loop(self, store: Store) -> None:
+        key = node_hb_key(self.node_rank)
+        while not self._stop.wait(_BEAT_S):
+            try:
+                if self.beating:
+                    store.add(key, 1)
+                else:
+                    store.check([key])
+            except (RuntimeError, OSError) as err:  # the store refused or reset: it is gone, not silent
+                self.error = err
+                return
+            self.last_ok = time.monotonic()
+
+    def _watch_loop(self, store: Store, on_fence: Callable[[], None]) -> None:
+        while not self._stop.wait(_BEAT_S):
+            silent = time.monotonic() - self.last_ok
+            if self.error is not None:
+                return  # the store is gone: the supervisor's own store calls fail and stop the job
+            if self.fenced_at is None and silent > fence_time(self.node_timeout_s):
+                self.beating = False
+                self.fenced_at, self.fenced_wall = time.monotonic(), time.time()
+                logger.error("no answer from the store at %s:%d for %.1f s: fencing (SIGKILL to this node's "
+                             "workers); they rejoin as restarted ones once it answers", self.addr, self.port, silent,
+                             extra={"event": "fence", "node": self.node_rank})
+                on_fence()
+            elif self.fenced_at is not None and silent > self.give_up_s:
+                logger.error("no answer from the store for %.0f s: this node leaves the job as lost", silent)
+                on_fence()
+                logging.shutdown()
+                os._exit(LOST_EXIT_CODE)
+
+    def reachable_since_fence(self) -> bool:
+        return self.fenced_at is not None and self.last_ok > self.fenced_at
+
+    def declared_lost(self, store: Store) -> bool:
+        """The watch has declared this node lost (its ranks' exit keys are written): restarting is safe."""
+        return store.check([node_lost_key(self.node_rank)])
+
+    def waited_too_long(self) -> bool:
+        """Waiting for the watch's declaration for over two node timeouts: another launcher of this node beats."""
+        return self.rejoin_since is not None and time.monotonic() - self.rejoin_since > 2 * self.node_timeout_s + 5
+
+    def resume(self) -> None:
+        """Back in the job: beat again."""
+        self.fenced_at = None
+        self.rejoin_since = None
+        self.beating = True
