@@ -248,10 +248,11 @@ class StaggeredOptimizer:
         """
         if self.stage_rerouted or (self.canonical_order and self.pipelines > 2):
             return self._reduce_rows(loss_sum)
+        grads = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad.data for p in self.params]
+            grads.append(p.grad.data)
         parts = grads + ([loss_sum.detach().reshape(1).to(grads[0].dtype)] if loss_sum is not None else [])
         flat = torch.cat([t.reshape(-1) for t in parts])
         if self.dp_size > 1:

@@ -178,7 +178,7 @@ def _setup_logging(node_rank: int) -> None:
 
 def _open_store(job: JobSpec, args: argparse.Namespace) -> TCPStore:
     """Node 0 hosts the store (``--master_port 0``: any free port); other nodes connect and announce themselves."""
-    from ds_recycle.launcher import store as stores
+    from ds_recycle.runtime import job_store as stores
 
     if job.node_rank == 0 and not job.store_service:
         return stores.host_store(job.master_addr, args.master_port, args.store_timeout)

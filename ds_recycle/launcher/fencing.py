@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from torch.distributed import Store
 
-from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.worker import Worker
+from ds_recycle.runtime import job_store as keys
 
 __all__ = ["FenceRequest", "parse_fence_request", "poll_fence_requests"]
 

@@ -36,9 +36,9 @@ from typing import Any
 
 from torch.distributed import Store
 
-from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.hosts import Layout
 from ds_recycle.launcher.worker import LOST_EXIT_CODE
+from ds_recycle.runtime import job_store as keys
 
 __all__ = ["HOST_EVENTS_KEY", "LAYOUT_KEY", "NODE_TIMEOUT_KEY", "HostEvents", "Lease", "NodeWatch", "fence_time",
            "node_hb_key", "node_lost_key", "node_ranks", "record_host_event"]
@@ -171,7 +171,7 @@ class Lease:
 
     def connect(self) -> Store:
         """The lease's own client of the (running) store."""
-        from ds_recycle.launcher.store import connect_store
+        from ds_recycle.runtime.job_store import connect_store
 
         return connect_store(self.addr, self.port, fence_time(self.node_timeout_s))
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from torch.distributed import Store
 
-from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.hosts import Layout
+from ds_recycle.runtime import job_store as keys
 
 __all__ = ["OtherNodes"]
 

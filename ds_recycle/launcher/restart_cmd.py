@@ -22,8 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.restart_requests import RestartResult, new_request_id
+from ds_recycle.runtime import job_store as keys
 
 if TYPE_CHECKING:
     from torch.distributed import Store

@@ -23,14 +23,14 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from ds_recycle.launcher import store as keys
+from ds_recycle.runtime import job_store as keys
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
 __all__ = ["add_arguments", "run"]
 
-logger = logging.getLogger("ds_recycle.launcher.store")
+logger = logging.getLogger("ds_recycle.runtime.job_store")
 
 _POLL_S = 0.25
 

@@ -21,7 +21,6 @@ from types import FrameType, TracebackType
 from torch.distributed import Store
 
 from ds_recycle.launcher import hostwatch
-from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.fencing import poll_fence_requests
 from ds_recycle.launcher.hostwatch import Lease, NodeWatch
 from ds_recycle.launcher.job import JobSpec
@@ -35,6 +34,7 @@ from ds_recycle.launcher.restart_requests import (
     judge_restart_request,
 )
 from ds_recycle.launcher.worker import ExitKind, Worker, WorkerExit, describe_returncode, exit_kind
+from ds_recycle.runtime import job_store as keys
 
 __all__ = ["Supervisor"]
 

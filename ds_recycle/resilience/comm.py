@@ -177,8 +177,9 @@ class EpochGroup:
             raise ValueError(f"rank {rank} is not a member of group {name} {self.members}")
         self.name = name
         self.index = {r: i for i, r in enumerate(self.members)}
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ds_recycle/pg/{name}/", store), self.index[rank],
-                                        len(self.members), timedelta(seconds=timeout_s))
+        self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"ds_recycle/pg/{name}/", store), self.index[rank],
+                                             len(self.members), timedelta(seconds=timeout_s))
+        """The gloo group (typed Any: torch's stubs for ProcessGroupGloo lack its collectives)."""
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         with self._posting(f"send to rank {dst}"):
@@ -197,15 +198,13 @@ class EpochGroup:
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
         """Member ``j`` (in rank order) receives the ``j``-th equal slice of every member's ``tensor``."""
-        pg: Any = self.pg  # torch's stubs for ProcessGroupGloo lack its collectives
         with self._posting("all-to-all"):
-            return pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
+            return self.pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Work:
         """Every member's ``tensor`` into ``outputs``, in rank order."""
-        pg: Any = self.pg
         with self._posting("all-gather"):
-            return pg.allgather([outputs], [tensor])
+            return self.pg.allgather([outputs], [tensor])
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         return self._all_reduce(tensor, dist.ReduceOp.SUM)
@@ -213,7 +212,7 @@ class EpochGroup:
     def all_reduce_max(self, tensor: torch.Tensor) -> Work:
         return self._all_reduce(tensor, dist.ReduceOp.MAX)
 
-    def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> Work:
+    def _all_reduce(self, tensor: torch.Tensor, op: Any) -> Work:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         with self._posting("all-reduce"):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ds_recycle.launcher import store as launcher_store
+from ds_recycle.runtime import job_store as launcher_store
 
 __all__ = ["carried_events", "carry_events", "request_restart_all"]
 

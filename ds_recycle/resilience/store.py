@@ -1,7 +1,7 @@
 """The launcher's store: how a worker reaches it, and every key ds_recycle keeps there.
 
 Key layout (all under ``ds_recycle/``; the launcher writes the first two, see
-:mod:`ds_recycle.launcher.store`, which owns their names; workers write the rest):
+:mod:`ds_recycle.runtime.job_store`, which owns their names; workers write the rest):
 
 =====================================  =========================================================
 ``ds_recycle/exit/<rank>``             the worker's exit status, written by its launcher at death
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ds_recycle.launcher import store as launcher_store
+from ds_recycle.runtime import job_store as launcher_store
 
 __all__ = ["StoreKeys", "connect_store", "incarnation"]
 

@@ -34,8 +34,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from ds_recycle.launcher import store as launcher_store
 from ds_recycle.resilience.store import StoreKeys, incarnation
+from ds_recycle.runtime import job_store as launcher_store
 
 __all__ = ["Declaration", "Watchdog", "run_guarded", "watch_members"]
 

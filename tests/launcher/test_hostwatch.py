@@ -8,12 +8,12 @@ import time
 import pytest
 from torch.distributed import HashStore
 
-from ds_recycle.launcher import store as keys
 from ds_recycle.launcher.hosts import Layout, NodeSlots
 from ds_recycle.launcher.hostwatch import HostEvents, Lease, NodeWatch, node_hb_key, node_lost_key
 from ds_recycle.launcher.job import JobSpec, Program
 from ds_recycle.launcher.netif import gloo_interface_env
 from ds_recycle.launcher.remote import launcher_argv
+from ds_recycle.runtime import job_store as keys
 
 LAYOUT = Layout((NodeSlots("h0", (0, 1)), NodeSlots("h1", (0, 1)), NodeSlots("h2", (0, 1))))
 

@@ -1,5 +1,7 @@
-"""The job's rendezvous store, hosted by the launcher of node 0 (or by ``ds-recycle store``) so that it outlives
-every worker.
+"""The job's store schema: the keys the launchers and the workers share, and how both connect to the store.
+
+The store is hosted by the launcher of node 0 (or by ``ds-recycle store``) so that it outlives every worker. It
+lives in this lower layer because both sides use it: the launcher (process supervision) and the failure handler.
 
 Keys the launchers write (the failure handler of the workers reads them; all values are UTF-8 text):
 
