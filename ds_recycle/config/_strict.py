@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from ds_recycle.config.errors import ConfigError
@@ -89,3 +91,16 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return [to_jsonable(v) for v in obj]
     return obj
+
+
+def load_json_object(path: str) -> dict[str, Any]:
+    """The JSON object in the file at ``path`` (a DeepSpeed config); a :class:`ConfigError` names what is wrong."""
+    try:
+        loaded = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("--deepspeed_config", f"no file at {path}", "pass the path of a JSON config") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError("--deepspeed_config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError("<top>", f"{path} is not a JSON object", "write the config as {...}")
+    return loaded

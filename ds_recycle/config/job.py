@@ -16,13 +16,12 @@ with ReCycle's additions:
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_recycle.config._strict import parse_dataclass, to_jsonable
+from ds_recycle.config._strict import load_json_object, parse_dataclass, to_jsonable
 from ds_recycle.config.errors import ConfigError
 from ds_recycle.config.schema import RecycleConfig
 
@@ -60,16 +59,7 @@ def read_deepspeed_config(config: str | Path | dict[str, Any] | None, args: Any 
                           "pass config=dict or a path, or args with args.deepspeed_config")
     if isinstance(source, dict):
         return dict(source)
-    path = str(source)
-    try:
-        loaded = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError("--deepspeed_config", f"no file at {path}", "pass the path of a JSON config") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError("--deepspeed_config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError("<top>", f"{path} is not a JSON object", "write the config as {...}")
-    return loaded
+    return load_json_object(str(source))
 
 
 def job_config(source: dict[str, Any], *, stages: int, world_size: int, cpu: bool = True,

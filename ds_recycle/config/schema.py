@@ -23,12 +23,11 @@ A config file is DeepSpeed's JSON plus one extra top-level key, ``"recycle"``::
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ds_recycle.config._strict import parse_dataclass, to_jsonable
+from ds_recycle.config._strict import load_json_object, parse_dataclass, to_jsonable
 from ds_recycle.config.deepspeed_keys import DEEPSPEED_TOP_LEVEL_KEYS
 from ds_recycle.config.errors import ConfigError
 
@@ -223,12 +222,7 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
     path = ""
     if not isinstance(source, dict):
         path = str(source)
-        try:
-            source = json.loads(Path(source).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError("--deepspeed_config", f"no file at {path}", "pass the path of a JSON config") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError("--deepspeed_config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
+        source = load_json_object(path)
     if not isinstance(source, dict):
         raise ConfigError("<top>", "the config is not a JSON object", "write the config as {...}")
     raw = dict(source)
