@@ -68,6 +68,11 @@ def main() -> int:
                     job.result(300.0).check()
                 loads.append(os.getloadavg()[0])
     base = statistics.median(times["vanilla"])
+    import deepspeed
+    import torch
+
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
+          f"deepspeed {deepspeed.__version__}")
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; load average during the runs "
           f"{min(loads):.1f}-{max(loads):.1f}")
     print(f"command: {' '.join(['python', *sys.argv])}")
