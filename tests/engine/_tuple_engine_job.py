@@ -82,7 +82,7 @@ def vanilla_stream(pipeline: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 def save(engine: object, path: str) -> None:
     """Pipeline 0's stages gather their parameters on rank 0, which writes them."""
-    from ds_recycle.train.state import gather_state_dict
+    from ds_recycle.engine.state import gather_state_dict
 
     grid = engine.grid  # type: ignore[attr-defined]
     state = gather_state_dict(engine.module, contributes=grid.get_data_parallel_id() == 0, dst=0)  # type: ignore[attr-defined]
@@ -109,15 +109,15 @@ def main() -> int:
         for _ in range(STEPS):
             engine.train_batch(data_iter=stream)
     else:
-        from ds_recycle.engine.initialize import build_pipeline_module, initialize
-        from ds_recycle.plan import CostModel, make_plan
-        from ds_recycle.runtime.grid import WorkerMap
+        from deepspeed.pipe import PipelineModule
 
-        module = build_pipeline_module(layers(), workers=WorkerMap.dense(2, 2), loss_fn=loss_fn,
-                                       partition_method="uniform")
-        plan = make_plan(2, 2, MICRO, CostModel.uniform(2), schedule=mode, optimizer="synchronous")
-        engine, *_ = initialize(model=module, config=CONFIG, plan=plan, data=Source(),
-                                optimizer=torch.optim.Adam(module.parameters(), lr=1e-2))
+        import ds_recycle
+
+        module = PipelineModule(layers=layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
+        engine, *_ = ds_recycle.initialize(model=module, training_data=Source(),
+                                           config={**CONFIG, "recycle": {"schedule": mode,
+                                                                         "optimizer_step": "synchronous"}},
+                                           optimizer=torch.optim.Adam(module.parameters(), lr=1e-2))
         for _ in range(STEPS):
             engine.train_batch()
         engine.finish()
