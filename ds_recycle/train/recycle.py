@@ -54,6 +54,16 @@ class EngineRunner:
         return self.engine.resilience
 
     @property
+    def fallback_directory(self) -> str | None:
+        """The checkpoint directory a lost stage falls back to (the handler's; None without failure handling)."""
+        return self.handler.fallback_directory if self.handler is not None else None
+
+    @fallback_directory.setter
+    def fallback_directory(self, directory: str | None) -> None:
+        if self.handler is not None:
+            self.handler.fallback_directory = directory
+
+    @property
     def generation(self) -> int:
         return int(self.handler.generation) if self.handler is not None else 0
 

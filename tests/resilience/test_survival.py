@@ -112,7 +112,8 @@ def test_whole_stage_lost_falls_back_to_the_checkpoint(tmp_path: Path, baseline_
     kinds = [e["kind"] for e in records[5]["events"]]  # the two deaths are seen in one agreement round or two
     assert kinds[0] == "failure" and kinds[-2:] == ["fallback", "resumed"], kinds
     lost = sorted(w for e in records[5]["events"] if e["kind"] == "failure" for w in e["lost_workers"])
-    assert lost == [[0, 1], [1, 1]], lost
+    # both killed workers; a survivor that left for the fallback first may be seen gone by the last one too
+    assert {(0, 1), (1, 1)} <= {tuple(w) for w in lost} <= {(0, 1), (1, 1), (0, 0), (1, 0)}, lost
     assert_same_model(out, baseline_2x2)
 
 
