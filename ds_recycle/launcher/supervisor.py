@@ -236,6 +236,14 @@ class Supervisor:
         if node is not None and exit.returncode == _SSH_CONNECTION_LOST and self._connected(node):
             logger.warning("%s: the ssh connection was lost; its ranks are judged by the node watch", exit.name)
             return
+        if exit.kind is ExitKind.LOST and exit.rank is not None and not self.hosts_store_lost():
+            seen = self._restart_all_seen  # workers ask for the fallback just before they leave: look now, or the
+            try:  # job could end (every rank lost) before the next poll sees the request
+                self._poll_restart_all()
+            except (RuntimeError, OSError):
+                pass
+            if self._restart_all_seen != seen:
+                return  # the fallback restarted this node's lost ranks, this one included
         if exit.rank in self._restart_all_pending and exit.kind is ExitKind.LOST:
             self._restart_for_fallback(exit.rank)
             return
@@ -250,6 +258,10 @@ class Supervisor:
             self._error_deadline = time.monotonic() + self.job.policy.error_grace_s
             logger.error("job failed: %s %s; the other workers get %.1f s to exit by themselves", exit.name,
                          describe_returncode(exit.returncode), self.job.policy.error_grace_s)
+
+    def hosts_store_lost(self) -> bool:
+        """The store cannot be read from here now (lost, or this node is fenced off it)."""
+        return self._store_lost or self._fenced()
 
     def _publish_exit(self, exit: WorkerExit) -> None:
         assert exit.rank is not None

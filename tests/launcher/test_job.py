@@ -149,7 +149,7 @@ def test_dry_run_prints_layout_and_commands(tmp_path: Path, capsys: pytest.Captu
     assert main(["launch", "--dry_run", "--hostfile", str(hostfile), "--master_port", "0", "t.py", "--x"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == ["node 0: worker-0 slots [0, 1] ranks 0..1", "node 1: worker-1 slots [0] ranks 2..2"]
-    assert out[2].startswith("rank 0: ") and out[2].endswith("-u t.py --local_rank=0 --x")
+    assert out[2].startswith("rank 0: ") and out[2].endswith("-u -m ds_recycle.launcher.bootstrap t.py --local_rank=0 --x")
     assert out[4].startswith("node 1 on worker-1: ssh -o BatchMode=yes worker-1 ")
 
 
