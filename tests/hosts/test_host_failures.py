@@ -37,7 +37,7 @@ def _workers(hosts: NetHosts, k: int) -> list[int]:
             cmd = " ".join(psutil.Process(pid).cmdline())
         except psutil.Error:
             continue
-        if "train.py" in cmd and "ds_recycle launch" not in cmd and "-m ds_recycle" not in cmd:
+        if "train.py" in cmd and "ds_recycle launch" not in cmd and "ds-recycle launch" not in cmd:
             found.append(pid)
     return found
 
