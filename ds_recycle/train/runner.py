@@ -3,7 +3,7 @@
 The loop (:mod:`ds_recycle.train.loop`) knows nothing of pipelines: it asks a :class:`Runner` for
 one iteration at a time, and the one live rank for which :meth:`Runner.is_reporter` is true writes
 the metrics. :class:`ds_recycle.train.vanilla.VanillaRunner` drives DeepSpeed's stock
-``PipelineEngine``; ``ds_recycle.engine.runner.RecycleRunner`` drives ds_recycle's.
+``PipelineEngine``; ``ds_recycle.train.recycle.EngineRunner`` drives ds_recycle's, through ``ds_recycle.initialize``.
 """
 from __future__ import annotations
 
