@@ -114,7 +114,7 @@ def run_recycle(hosts_n: int, event: str, work: Path, steps: int) -> dict[str, A
         recovered = job.events("recovered")
         if recovered:
             extra["recovered_event"] = {k: recovered[0].get(k) for k in ("detection_s", "agreement_s", "regroup_s",
-                                                                           "redo_s", "salvaged")}
+                                                                           "redo_s", "committed_stages")}
         codes = job.finish(600)
         extra["exit_codes"] = codes
         recs = [r for r in before if r["unix_time"] <= event_t] + _after(job.metrics(), event_t)

@@ -82,11 +82,11 @@ def main() -> int:
                 recs = [_recovered(job) for job in jobs]
                 totals[mode] = (_median([e["failure_to_full_iteration_s"] for _, e in recs]),
                                 _median([e["redo_s"] for _, e in recs]))
-                kept = [e.get("kept_weight_gradients", 0) for _, e in recs if e.get("salvaged")]
-                reasons = sorted({e.get("redo_reason") for _, e in recs if not e.get("salvaged")} - {None})
-                print(f"[{kill}, {mode}] failure -> first full iteration {totals[mode][0]:.3f} s; salvaged in "
-                      f"{len(kept)}/{len(recs)} runs (weight gradients kept: {kept})"
-                      + (f"; redone because: {reasons}" if reasons else ""))
+                kept = [e.get("kept_weight_gradients", 0) for _, e in recs]
+                committed = [e.get("committed_stages", []) for _, e in recs]
+                logged = [e.get("tensors_from_logs", 0) for _, e in recs]
+                print(f"[{kill}, {mode}] failure -> first full iteration {totals[mode][0]:.3f} s; weight gradients "
+                      f"kept: {kept}; stages that had stepped: {committed}; tensors from boundary logs: {logged}")
                 for part in PARTS:
                     values = [e[part] for _, e in recs if e.get(part) is not None]
                     print(f"  {part[:-2]:<12} {_median(values):.4f} s" if values else f"  {part[:-2]:<12} n/a")

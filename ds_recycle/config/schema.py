@@ -83,8 +83,9 @@ class DataConfig:
                               "use a fraction such as 0.05")
 
 
-FaultPhase = Literal["forward", "backward-input", "backward-weight", "send", "receive", "all-reduce",
-                     "optimizer-step", "idle", "join-request", "join-groups", "join-transfer", "join-first-iteration"]
+FaultPhase = Literal["forward", "backward-input", "backward-weight", "last-backward-weight", "send", "receive",
+                     "all-reduce", "optimizer-step", "idle", "join-request", "join-groups", "join-transfer",
+                     "join-first-iteration"]
 
 
 @dataclass(frozen=True)

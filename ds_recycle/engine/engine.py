@@ -35,6 +35,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ds_recycle.engine import ds_checkpoint
 from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input, grad_buffers
+from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel
 from ds_recycle.engine.rng import micro_batch_rng
@@ -82,8 +83,10 @@ class IterationProgress:
     """Micro-batches whose weight gradient is accumulated (W, or a fused B+W, ran)."""
     loss_counted: set[ins.MicroBatch] = field(default_factory=set)
     """Last stage: micro-batches whose loss is in the iteration's loss sum."""
-    stepping: bool = False
-    """The stage's gradient all-reduce completed (then the step follows): nothing of it can be salvaged."""
+    awaiting_norm: bool = False
+    """Reduced and tied-weight summed: only the clipping norm was missing for the step."""
+    stepped: bool = False
+    """The stage's optimizer step of ``iteration`` is taken: from here on the iteration is final on this worker."""
 
 
 def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset[int], bool]:
@@ -94,6 +97,10 @@ def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset
         for i in range(plan.microbatches):
             served.setdefault(plan.worker_of(stage, (d, i)), set()).add(d)
     return frozenset(served.get(worker, set())), any(len(v) > 1 for v in served.values())
+
+
+def _detached(payload: Payload) -> Payload:
+    return payload.detach() if isinstance(payload, torch.Tensor) else tuple(t.detach() for t in payload)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -160,6 +167,11 @@ class RecyclePipelineEngine(PipelineEngine):
         self.slots: dict[int, _Slot] = {}
         self._loss_sum: torch.Tensor | None = None
         self._iteration_loss: torch.Tensor | None = None
+        self._losses: dict[int, torch.Tensor] = {}
+        """Last stage: the mean loss of its last two stepped iterations (whichever replica reports it)."""
+        self.boundary_log: BoundaryLog | None = None
+        """The tensors sent and received at this stage's boundaries (kept under ``ds-recycle launch``, where a
+        failure's repair may need them; :mod:`ds_recycle.engine.boundary_log`)."""
         self.last_step: StepOutcome | None = None
         self.progress = IterationProgress(-1)
         self.repair: Repair | None = None
@@ -243,7 +255,10 @@ class RecyclePipelineEngine(PipelineEngine):
         schedule = self._train_schedule()
         if self.repair is None:
             self.progress = IterationProgress(self.iteration)
+            if self.boundary_log is not None:
+                self.boundary_log.begin(self.iteration)
         self._exec_schedule(schedule)
+        self._iteration_loss = self._losses.get(self.iteration) if self.is_reporter() else None
         broadcast, wait = self.loss_transport
         self._share_loss(broadcast, wait)
         self.repair = None
@@ -543,12 +558,22 @@ class RecyclePipelineEngine(PipelineEngine):
     def _exec_send_activation_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         output = self.slots[buffer_id].output
         assert output is not None, f"no stage output for {micro_batch}"
-        detached = output.detach() if isinstance(output, torch.Tensor) else tuple(t.detach() for t in output)
-        self.channel.send(detached, peer, Channel.ACTIVATION, self.iteration, (micro_batch[0], micro_batch[1]))
+        mb = (micro_batch[0], micro_batch[1])
+        detached = _detached(output)
+        self.channel.send(detached, peer, Channel.ACTIVATION, self.iteration, mb)
+        if self.boundary_log is not None:
+            self.boundary_log.record(self.iteration, Channel.ACTIVATION, Role.SENT, mb, detached)
 
     def _exec_recv_activation_from(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         slot = self._slot(buffer_id, micro_batch)
-        received = self.channel.recv_activation(peer, self.iteration, (micro_batch[0], micro_batch[1]))
+        mb = (micro_batch[0], micro_batch[1])
+        if peer == self.global_rank:  # a repair: this worker received it before the failure
+            assert self.boundary_log is not None
+            received = _detached(self.boundary_log.get(self.iteration, Channel.ACTIVATION, Role.RECEIVED, mb))
+        else:
+            received = self.channel.recv_activation(peer, self.iteration, mb)
+        if self.boundary_log is not None:
+            self.boundary_log.record(self.iteration, Channel.ACTIVATION, Role.RECEIVED, mb, received)
         for tensor in (received,) if isinstance(received, torch.Tensor) else received:
             if tensor.is_floating_point():  # as DeepSpeed: every floating-point input gets a gradient
                 tensor.requires_grad_(True)
@@ -557,14 +582,34 @@ class RecyclePipelineEngine(PipelineEngine):
     def _exec_send_grad_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         slot = self.slots[buffer_id]
         assert slot.input_grad is not None, f"no input gradient for {micro_batch}"
-        self.channel.send(slot.input_grad, peer, Channel.GRAD, self.iteration, (micro_batch[0], micro_batch[1]))
+        mb = (micro_batch[0], micro_batch[1])
+        self.channel.send(slot.input_grad, peer, Channel.GRAD, self.iteration, mb)
+        if self.boundary_log is not None:
+            self.boundary_log.record(self.iteration, Channel.GRAD, Role.SENT, mb, slot.input_grad)
         slot.input_grad = None
 
     def _exec_recv_grad_from(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         slot = self.slots[buffer_id]
         assert slot.output is not None, f"gradient for {micro_batch} before its F"
-        slot.grad_output = self.channel.recv_like(grad_buffers(slot.output), peer, Channel.GRAD, self.iteration,
-                                                  (micro_batch[0], micro_batch[1]))
+        mb = (micro_batch[0], micro_batch[1])
+        if peer == self.global_rank:  # a repair: this worker received it before the failure
+            assert self.boundary_log is not None
+            slot.grad_output = self.boundary_log.get(self.iteration, Channel.GRAD, Role.RECEIVED, mb)
+        else:
+            slot.grad_output = self.channel.recv_like(grad_buffers(slot.output), peer, Channel.GRAD, self.iteration,
+                                                      mb)
+        if self.boundary_log is not None:
+            self.boundary_log.record(self.iteration, Channel.GRAD, Role.RECEIVED, mb, slot.grad_output)
+
+    def _exec_send_logged_to(self, micro_batch: ins.MicroBatch, peer: int, grad: bool, received: bool) -> None:
+        assert self.boundary_log is not None, "a repair that serves boundary logs needs the log"
+        mb = (micro_batch[0], micro_batch[1])
+        channel = Channel.GRAD if grad else Channel.ACTIVATION
+        payload = self.boundary_log.get(self.iteration, channel, Role.RECEIVED if received else Role.SENT, mb)
+        self.channel.send(_detached(payload), peer, channel, self.iteration, mb)
+
+    def _exec_share_committed_norm(self) -> None:
+        self.stepper.share_committed_norm(self.iteration)
 
     def _exec_wait_sends(self) -> None:
         self.channel.wait_sends()
@@ -574,14 +619,19 @@ class RecyclePipelineEngine(PipelineEngine):
         loss_sum = self._loss_sum if self.is_last_stage() else None
         if self.is_last_stage() and loss_sum is None:
             loss_sum = torch.zeros(())
-        total = self.stepper.reduce(loss_sum)
-        self.progress.stepping = True  # the stage's gradients are reduced: from here on the iteration is whole
+        total = self.stepper.reduce(loss_sum)  # the rows are kept as they were until the step
         if self.tied:  # one gradient for every copy of a weight tied across stages
             reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0], self.tied_transport)
-        self._loss_sum = None
-        if total is not None and self.is_reporter():
-            self._iteration_loss = total / (self.workers.pipelines * self.micro_batches)
+        if total is not None:
+            self._losses[self.iteration] = total / (self.workers.pipelines * self.micro_batches)
+            self._losses.pop(self.iteration - 2, None)
+        self.progress.awaiting_norm = True
+        self._exec_complete_optimizer_step(synchronous)
+
+    def _exec_complete_optimizer_step(self, synchronous: bool = False) -> None:
         self.stepper.step(self.iteration, synchronous)
+        self.progress.stepped = True
+        self._loss_sum = None
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 
@@ -603,4 +653,7 @@ class RecyclePipelineEngine(PipelineEngine):
         ins.WaitSends: _exec_wait_sends,
         ins.StaggeredOptimizerStep: _exec_staggered_optimizer_step,
         ins.FinishOptimizerStep: _exec_finish_optimizer_step,
+        ins.SendLoggedTo: _exec_send_logged_to,
+        ins.ShareCommittedNorm: _exec_share_committed_norm,
+        ins.CompleteOptimizerStep: _exec_complete_optimizer_step,
     }

@@ -34,7 +34,8 @@ from deepspeed.runtime.pipe.schedule import (
 
 __all__ = ["MicroBatch", "LoadMicroBatchOf", "ForwardMicroBatch", "BackwardInput", "BackwardWeight",
            "SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "WaitSends",
-           "StaggeredOptimizerStep", "FinishOptimizerStep", "RECYCLE_INSTRUCTIONS"]
+           "StaggeredOptimizerStep", "FinishOptimizerStep", "SendLoggedTo", "ShareCommittedNorm",
+           "CompleteOptimizerStep", "RECYCLE_INSTRUCTIONS"]
 
 MicroBatch = tuple[int, int]
 """A global micro-batch: ``(owner pipeline, index within the pipeline)``."""
@@ -110,7 +111,19 @@ class RecvGradFrom(RecvGrad):
 class WaitSends(PipeInstruction):
     """Roughly: wait until every posted send of this worker has been received (bounded).
 
-    Issued at the end of an iteration, so that no send buffer outlives the iteration that owns it.
+    Issued right before the iteration's :class:`StaggeredOptimizerStep`: a stage steps only once everything
+    it sent in the iteration is held by its receivers (see :mod:`ds_recycle.engine.boundary_log`).
+    """
+
+
+class SendLoggedTo(PipeInstruction):
+    """Roughly: ``isend(boundary_log[iteration, micro_batch], peer)``: a tensor sent or received earlier.
+
+    Only in the repair of an interrupted iteration: a worker whose neighbouring stage has stepped already (and
+    so cannot compute it again) gets the activation (``grad=False``) or output gradient (``grad=True``) of
+    ``micro_batch`` from whoever holds it: the worker that sent it (``received=False``) or the one that
+    received it (``received=True``). Pairs with the peer's :class:`RecvActivationFrom` or
+    :class:`RecvGradFrom`; posted asynchronously.
     """
 
 
@@ -120,22 +133,39 @@ class StaggeredOptimizerStep(PipeInstruction):
 
     Synchronizes only the live replicas of this stage. Gradients are summed, then scaled by ``1/D`` (the
     nominal pipeline count): each stage's gradient is the sum over all ``D x M`` global micro-batches,
-    normalized by their count, whoever processed them. The last stage also sums its losses there.
-    ``synchronous=False``: with clipping on, step eagerly and post-validate the global norm in
-    :class:`FinishOptimizerStep`; ``synchronous=True``: wait for the global norm, clip, then step.
+    normalized by their count, whoever processed them. The last stage also sums its losses there. With
+    clipping on, the step waits for the clipping norm (which the first stage posts at its own step); each
+    stage steps as soon as its gradients and the norm are there, not at a pipeline-wide barrier.
     """
 
 
 class FinishOptimizerStep(PipeInstruction):
-    """Roughly: wait for the gradient norm of the previous step; if it had to be clipped, redo that step.
+    """Roughly: complete the previous step: zero the gradients, step the learning-rate schedule.
 
-    Issued before the first op of an iteration (and when training ends), so no micro-batch ever runs on
-    parameters that vanilla DeepSpeed would not have. Waits on an all-reduce over every live worker that
-    was posted at each stage's :class:`StaggeredOptimizerStep`. A no-op when nothing is pending.
+    Issued before the first op of an iteration (and when training ends). A first-stage replica that is not
+    the norm's source also waits for its part in the norm broadcast here. A no-op when nothing is pending.
+    """
+
+
+class ShareCommittedNorm(PipeInstruction):
+    """Roughly: take part in the iteration's clipping-norm exchange with the contribution kept from its step.
+
+    Only in the repair of an interrupted iteration, on a worker whose stage had stepped it already, while
+    other stages redo their part (the exchange is collective over every live worker). Blocks (bounded).
+    """
+
+
+class CompleteOptimizerStep(PipeInstruction):
+    """Roughly: the step of an iteration whose gradients this stage had already reduced when a failure came.
+
+    Only in the repair of an interrupted iteration, on a worker that had its stage's reduced (and tied-weight
+    summed) gradients and waited only for the clipping norm: it takes part in the norm exchange, clips and
+    steps, with no reduction. Blocks (bounded).
     """
 
 
 RECYCLE_INSTRUCTIONS: tuple[type[PipeInstruction], ...] = (
     LoadMicroBatchOf, ForwardMicroBatch, BackwardInput, BackwardWeight, SendActivationTo, RecvActivationFrom,
-    SendGradTo, RecvGradFrom, WaitSends, StaggeredOptimizerStep, FinishOptimizerStep)
+    SendGradTo, RecvGradFrom, WaitSends, StaggeredOptimizerStep, FinishOptimizerStep, SendLoggedTo,
+    ShareCommittedNorm, CompleteOptimizerStep)
 """The closed set the engine executes (besides DeepSpeed's own)."""

@@ -23,24 +23,26 @@ Semantics (each stage, each iteration):
    ``PipelineModule`` is the *first stage*; it then averages the norm over the data-parallel group and
    scales every gradient by ``min(1, max_norm / (norm + 1e-6))``. :class:`ClipScope` selects that
    (``FIRST_STAGE``, identical results) or the norm over all stages (``WHOLE_MODEL``).
-3. **Post-validation** (``staggered``): the stage steps at once, keeping a copy of its parameters and
-   optimizer state, while the norm travels asynchronously. At :meth:`StaggeredOptimizer.finish` (before the
-   next iteration's first op) it reads the norm; if the step had to be clipped, it restores the copy, scales
-   the gradients and steps again. With ``FIRST_STAGE`` the first stage knows the norm itself and
-   *broadcasts* it (posted at its step, never waited for on its critical path); every other stage needs
-   the first stage's step of iteration k before its first op of k+1 anyway (that op consumes an activation
-   the first stage computes after its step), so the validation adds no wait and no pipeline-wide barrier.
-   With ``WHOLE_MODEL`` the per-stage contributions are summed by one asynchronous all-reduce over every
-   live worker. A stage waits for the norm instead of stepping eagerly when its own contribution already
-   proves that clipping is needed, or when the previous step was clipped (clipping tends to persist over
-   consecutive steps, and a redo costs a second optimizer step plus the copies); waiting costs little,
-   since the next iteration's first op needs the first stage's step anyway. ``synchronous`` always waits,
-   then clips and steps (DeepSpeed's order).
+3. **No step is ever taken twice, nothing is copied.** A stage steps as soon as it holds everything the
+   step needs: its reduced gradients and, with clipping on, the clipping norm. With ``FIRST_STAGE`` the first
+   stage knows the norm itself; it *broadcasts* it (posted at its step, never waited for on its critical
+   path) and steps at once. Every other stage waits for that norm at its own step. The wait costs little:
+   the stage's next op (the next iteration's first forward) consumes an activation that the first stage
+   computes only after its step, so the norm always arrives before the stage could do anything else, and
+   the step itself runs in that window. With ``WHOLE_MODEL`` the per-stage contributions are summed by one
+   all-reduce over every live worker, waited for at the step. ``synchronous`` has the same order
+   (DeepSpeed's: reduce, norm, clip, step); ``staggered`` differs in *when* each stage steps (as soon as
+   its own gradients are reduced and the norm is there), not in *what* it computes.
+4. **Failure points.** Until :meth:`StaggeredOptimizer.step` has called ``optimizer.step()``, the stage's
+   gradient rows of the iteration are kept as they were before the reduction (the reduced sums live in new
+   tensors; :meth:`StaggeredOptimizer.revert` puts the rows back), so a failure anywhere in the reduction,
+   the tied-weight sum or the norm exchange leaves a stage that can reduce again. Once stepped, the stage's
+   iteration is final: its clipping contribution is kept for two iterations
+   (:meth:`StaggeredOptimizer.share_committed_norm` serves it again when peers redo their part).
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import enum
 import logging
 from collections.abc import Iterable, Iterator
@@ -88,7 +90,7 @@ class StepOutcome:
     norm: float | None
     """The clipping norm (None when clipping is off)."""
     clipped: bool
-    """True when the gradients were scaled (and, if stepped eagerly, the step was redone)."""
+    """True when the gradients were scaled."""
 
 
 @dataclass
@@ -96,8 +98,6 @@ class _Pending:
     iteration: int
     work: Any
     contribution: torch.Tensor
-    snapshot: tuple[list[torch.Tensor], dict[str, Any]] | None
-    """Parameters and optimizer state before an eager step; None when the step waited for the norm."""
     norm: float | None = None
     clipped: bool = False
 
@@ -129,12 +129,13 @@ class StaggeredOptimizer:
         self.norm_source = norm_source
         """Global rank that broadcasts the first stage's norm (``FIRST_STAGE``): its first live replica."""
         self._source_work: Any = None
-        self._expect_clip = False
         self._source_tensor: torch.Tensor | None = None
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._pending: _Pending | None = None
-        self.redone_steps = 0
-        """Eager steps rolled back and redone clipped (post-validation failed)."""
+        self._unreduced: dict[RowKey, list[torch.Tensor | None]] | None = None
+        """The gradient rows as they were before this iteration's reduction, until the step (see :meth:`revert`)."""
+        self._contributions: dict[int, torch.Tensor] = {}
+        """This worker's clipping-norm contribution of its last two stepped iterations."""
         self.clipped_steps = 0
         """Steps whose gradients were clipped."""
         self.served = served
@@ -206,6 +207,8 @@ class StaggeredOptimizer:
 
     def partial_rows(self) -> dict[RowKey, list[torch.Tensor | None]]:
         """The weight gradients accumulated so far in this iteration, per row (not consumed)."""
+        if self._unreduced is not None:  # reduced but not stepped: the rows as they were before the reduction
+            return {k: list(v) for k, v in self._unreduced.items()}
         if not self._banked:
             return {(d, -1): [p.grad for p in self.params] for d in self.served}
         return {k: list(grads) for k, grads in self._bank.items()}
@@ -244,15 +247,13 @@ class StaggeredOptimizer:
     def reduce(self, loss_sum: torch.Tensor | None) -> torch.Tensor | None:
         """SUM-all-reduce the stage gradients (and ``loss_sum``) over the live replicas, scale by 1/D.
 
-        Returns the summed loss over the stage's replicas (None when ``loss_sum`` is None).
+        Returns the summed loss over the stage's replicas (None when ``loss_sum`` is None). The reduced
+        gradients are new tensors: the rows stay as they were until the step (see :meth:`revert`).
         """
+        self._unreduced = self.partial_rows()
         if self.stage_rerouted or (self.canonical_order and self.pipelines > 2):
             return self._reduce_rows(loss_sum)
-        grads = []
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.data)
+        grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
         parts = grads + ([loss_sum.detach().reshape(1).to(grads[0].dtype)] if loss_sum is not None else [])
         flat = torch.cat([t.reshape(-1) for t in parts])
         if self.dp_size > 1:
@@ -261,10 +262,16 @@ class StaggeredOptimizer:
         flat = flat[:flat.numel() - (1 if loss_sum is not None else 0)]
         flat.mul_(1.0 / self.pipelines)
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        for p, g in zip(self.params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
         return total_loss
+
+    def revert(self) -> None:
+        """Undo a reduction whose step was not taken (a failure came first): the rows as before it."""
+        rows, self._unreduced = self._unreduced, None
+        if rows is not None:
+            self.adopt_rows(rows)
 
     def _own_row_only(self) -> bool:
         """Every pipeline has its own live replica, which holds only its own row (failure-free, D > 2)."""
@@ -343,13 +350,17 @@ class StaggeredOptimizer:
 
     # 3. step
     def step(self, iteration: int, synchronous: bool) -> None:
-        """Step the optimizer for ``iteration`` (gradients already reduced)."""
+        """Step the optimizer for ``iteration`` (gradients already reduced), once the norm is known.
+
+        ``synchronous`` is accepted for the instruction's sake: every step waits for what it needs (see the
+        module docstring), so both modes compute the same step.
+        """
         if self._pending is not None:
             raise RuntimeError(f"optimizer step of iteration {iteration} before the step of iteration "
                                f"{self._pending.iteration} was finished; FinishOptimizerStep is missing")
         if self.max_norm <= 0.0:
             self.optimizer.step()
-            self._pending = _Pending(iteration, None, torch.zeros(1), None)
+            self._stepped(_Pending(iteration, None, torch.zeros(1)), torch.zeros(1))
             return
         local_sq = self._stage_sq() if self.counts else torch.zeros(1)
         if self.scope is ClipScope.FIRST_STAGE:
@@ -357,23 +368,69 @@ class StaggeredOptimizer:
             if self._source_work is not None:  # the previous broadcast reached everyone long ago
                 self._wait(self._source_work)
             work = self._broadcast_norm(contribution, self.norm_source)
-            if dist.get_rank() == self.norm_source:
+            if self.rank == self.norm_source:
                 self._source_work, self._source_tensor, work = work, contribution, None
+            kept = local_sq.clone() if self.stage == 0 else contribution
         else:
             contribution = local_sq.clone() if self.representative else torch.zeros(1)
+            kept = contribution.clone()
             work = self._all_reduce_norm(contribution)
-        pending = _Pending(iteration, work, contribution, None)
-        self._pending = pending
+        pending = _Pending(iteration, work, contribution)
         if self.scope is ClipScope.FIRST_STAGE and self.stage == 0:
-            # Every first-stage replica holds the same reduced gradients: the norm is known here already.
+            # Every first-stage replica holds the same reduced gradients: the norm is known here already (a
+            # replica that is not the source still takes part in the broadcast, waited for at finish()).
             pending.norm, pending.clipped = self._clip_and_step(self._coefficient(local_sq))
-        elif synchronous or self._expect_clip or bool(local_sq.sqrt() >= self.max_norm):
+        else:
             self._wait(work)
             pending.work = None
             pending.norm, pending.clipped = self._clip_and_step(self._coefficient(contribution))
-        else:  # eager: step now, validate in finish()
-            pending.snapshot = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()))
-            self.optimizer.step()
+        self._stepped(pending, kept)
+
+    def _stepped(self, pending: _Pending, contribution: torch.Tensor) -> None:
+        self._pending = pending
+        self._unreduced = None
+        self._contributions[pending.iteration] = contribution
+        for old in [k for k in self._contributions if k < pending.iteration - 1]:
+            del self._contributions[old]
+
+    def share_committed_norm(self, iteration: int) -> None:
+        """Take part in ``iteration``'s norm exchange again, with the contribution kept from its step.
+
+        For a worker whose stage had stepped ``iteration`` before a failure, while peers of other stages redo
+        their part of it and need the norm (the exchange is collective over every live worker).
+        """
+        if self.max_norm <= 0.0:
+            return
+        kept = self._contributions.get(iteration)
+        if kept is None:
+            raise RuntimeError(f"no clipping-norm contribution of iteration {iteration} here (held: "
+                               f"{sorted(self._contributions)})")
+        tensor = kept.clone()
+        if self.scope is ClipScope.FIRST_STAGE:
+            if self._source_work is not None:
+                self._wait(self._source_work)
+                self._source_work = None
+            work = self._broadcast_norm(tensor, self.norm_source)
+            if self.rank == self.norm_source:
+                self._source_work, self._source_tensor = work, tensor
+                return
+        else:
+            work = self._all_reduce_norm(tensor)
+        self._wait(work)
+
+    def kept_contributions(self) -> dict[int, torch.Tensor]:
+        """The contributions :meth:`share_committed_norm` serves (handed to a replica brought up to date)."""
+        return dict(self._contributions)
+
+    def adopt_contributions(self, kept: dict[int, torch.Tensor]) -> None:
+        self._contributions = dict(kept)
+
+    def settle(self) -> None:
+        """Complete a step already taken, without waiting for anything (before the groups are replaced)."""
+        if self._pending is not None:
+            self._pending.work = None
+            self.finish()
+        self._source_work = None
 
     def _clip_and_step(self, coef_norm: tuple[torch.Tensor, float]) -> tuple[float, bool]:
         coef, norm = coef_norm
@@ -389,34 +446,16 @@ class StaggeredOptimizer:
             self._wait(self._source_work)
             self._source_work = None
 
-    def _validate(self, pending: _Pending) -> None:
-        """Post-validation of an eager step: redo it clipped when the global norm says so."""
-        assert pending.work is not None
-        self._wait(pending.work)
-        pending.work = None
-        if pending.snapshot is None:
-            return
-        coef, norm = self._coefficient(pending.contribution)
-        pending.norm, pending.clipped = norm, bool(coef.item() < 1.0)
-        if pending.clipped:
-            params, state = pending.snapshot
-            for p, saved in zip(self.params, params):
-                p.data.copy_(saved)
-            self.optimizer.load_state_dict(state)
-            self._clip_and_step((coef, norm))
-            self.redone_steps += 1
-        pending.snapshot = None
-
     def finish(self) -> StepOutcome | None:
-        """Validate the pending step (redo it clipped if needed), then zero the gradients."""
+        """Complete the pending step: its part in the norm exchange, zero the gradients, step the schedule."""
         pending = self._pending
         if pending is None:
             return None
-        if pending.work is not None:
-            self._validate(pending)
+        if pending.work is not None:  # a first-stage replica's part in the norm broadcast
+            self._wait(pending.work)
+            pending.work = None
         norm, clipped = pending.norm, pending.clipped
         self.clipped_steps += int(clipped)
-        self._expect_clip = clipped
         logger.debug("iteration %d: norm %s, clipped %s", pending.iteration, norm, clipped)
         for p in self.module.parameters():
             p.grad = None

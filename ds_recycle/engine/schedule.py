@@ -12,7 +12,7 @@ W mb   ``BackwardWeight``
 When a W directly follows the B of the same micro-batch and nothing waits for the split (the first stage,
 which sends no gradient, or a ``1f1b`` plan, whose W is DeepSpeed's fused backward), the B is lowered as
 ``BackwardInput(..., weights=True)``: one fused backward pass, and the W only releases the buffer.
-O      ``StaggeredOptimizerStep``, then ``WaitSends``
+O      ``WaitSends``, then ``StaggeredOptimizerStep`` (a stage steps once its receivers hold what it sent)
 =====  ==========================================================================================
 
 and every iteration starts with ``FinishOptimizerStep`` (the previous step's post-validation). Peers are
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
@@ -35,6 +35,7 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 from ds_recycle.engine.instructions import (
     BackwardInput,
     BackwardWeight,
+    CompleteOptimizerStep,
     FinishOptimizerStep,
     ForwardMicroBatch,
     LoadMicroBatchOf,
@@ -43,11 +44,14 @@ from ds_recycle.engine.instructions import (
     RecvGradFrom,
     SendActivationTo,
     SendGradTo,
+    SendLoggedTo,
+    ShareCommittedNorm,
     StaggeredOptimizerStep,
     WaitSends,
 )
 
-__all__ = ["WorkKind", "WorkItem", "PlanLike", "PlanNotRunnableError", "PlanSchedule", "Repair", "rerouted_microbatches",
+__all__ = ["WorkKind", "WorkItem", "LogSource", "PlanLike", "PlanNotRunnableError", "PlanSchedule", "Repair",
+           "rerouted_microbatches",
            "worker_items",
            "lower_worker_items", "repair_items", "check_plan_for_job"]
 
@@ -165,13 +169,15 @@ def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
                        peer: Callable[[int, MicroBatch], int], synchronous: bool,
                        fuse_adjacent_bw: bool = False,
                        sends_grad: Callable[[MicroBatch], bool] | None = None,
+                       sends_activation: bool = True,
                        ) -> tuple[list[list[PipeInstruction]], int]:
     """Lower one iteration of a worker's ops to DeepSpeed steps; returns ``(steps, buffers needed)``.
 
     ``peer(stage, mb)`` is the global rank that runs ``mb`` at ``stage``. ``fuse_adjacent_bw``: run a B
     that the same micro-batch's W directly follows as one fused backward (always done on the first stage).
     ``sends_grad(mb)``: whether the B of ``mb`` sends its input gradient upstream (default: on every stage but
-    the first; a repair leaves it out where the upstream stage has no B to run).
+    the first; a repair leaves it out where the upstream stage has no B to run). ``sends_activation``: whether
+    F sends its output downstream (a repair leaves it out when the next stage has stepped already).
     """
     first, last = stage == 0, stage == stages - 1
     fuse = fuse_adjacent_bw or first
@@ -179,7 +185,7 @@ def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
     steps: list[list[PipeInstruction]] = [[FinishOptimizerStep()]]
     for n, item in enumerate(items):
         if item.kind is WorkKind.O:
-            steps.append([StaggeredOptimizerStep(synchronous=synchronous), WaitSends()])
+            steps.append([WaitSends(), StaggeredOptimizerStep(synchronous=synchronous)])
             continue
         mb = item.mb
         assert mb is not None
@@ -191,7 +197,7 @@ def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
             if first or last:
                 cmds.append(LoadMicroBatchOf(buf, micro_batch=mb))
             cmds.append(ForwardMicroBatch(buf, micro_batch=mb))
-            if not last:
+            if not last and sends_activation:
                 cmds.append(SendActivationTo(buf, micro_batch=mb, peer=peer(stage + 1, mb)))
         elif item.kind is WorkKind.B:
             buf = slots.of[mb]
@@ -207,28 +213,84 @@ def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
     return steps, max(slots.peak, 1)
 
 
+LogSource = tuple[bool, int, MicroBatch]
+"""A tensor a repair takes from a boundary log: ``(is the output gradient, receiving stage, micro-batch)``
+(False: the activation into that stage)."""
+
+
 @dataclass(frozen=True)
 class Repair:
     """What is left of an interrupted iteration, for every stage (see :func:`repair_items`).
 
-    ``w_done[s]`` holds the micro-batches whose weight gradient stage ``s`` has already accumulated (by a
-    worker still alive); every other micro-batch is *unfinished*. An unfinished micro-batch is forwarded
-    through every stage again (its activations died with the old groups), and its B runs from its lowest
-    unfinished stage up (to bring the input gradient down to it); W runs only where it is missing.
+    ``committed`` stages stepped the iteration before the failure: they run none of it again. The other
+    stages form *segments* (maximal runs of stages that have not stepped). ``w_done[s]`` holds the
+    micro-batches whose weight gradient stage ``s`` has already accumulated (by a worker still alive); in a
+    segment, a micro-batch missing from some stage's ``w_done`` is *unfinished*: it is forwarded through the
+    segment again (its activations died with the old groups), its B runs from its lowest unfinished stage of
+    the segment up (to bring the input gradient down to it), and its W only where missing. What a segment
+    needs from a committed neighbour (the activation into its first stage, the output gradient into its last)
+    comes from a boundary log: ``sources`` names the live rank that holds each.
     """
 
     stages: int
     w_done: Mapping[int, frozenset[MicroBatch]]
+    committed: frozenset[int] = frozenset()
+    sources: Mapping[LogSource, int] = field(default_factory=dict)
+    completing: frozenset[int] = frozenset()
+    """Ranks of committed stages that hold their stage's reduced gradients and still have to step (they waited
+    only for the clipping norm): they step in the repair (:class:`CompleteOptimizerStep`)."""
 
-    def unfinished(self, mb: MicroBatch) -> bool:
-        return any(mb not in self.w_done.get(s, frozenset()) for s in range(self.stages))
+    @property
+    def steps_anywhere(self) -> bool:
+        """Whether some worker steps in the repair (then every worker takes part in the norm exchange)."""
+        return len(self.committed) < self.stages or bool(self.completing)
 
-    def lowest_unfinished_stage(self, mb: MicroBatch) -> int:
-        return min(s for s in range(self.stages) if mb not in self.w_done.get(s, frozenset()))
+    def segment(self, stage: int) -> tuple[int, int]:
+        """The first and last stage of ``stage``'s segment (``stage`` must not be committed)."""
+        lo = hi = stage
+        while lo - 1 >= 0 and lo - 1 not in self.committed:
+            lo -= 1
+        while hi + 1 < self.stages and hi + 1 not in self.committed:
+            hi += 1
+        return lo, hi
+
+    def _missing(self, mb: MicroBatch, lo: int, hi: int) -> list[int]:
+        return [s for s in range(lo, hi + 1) if mb not in self.w_done.get(s, frozenset())]
+
+    def unfinished(self, mb: MicroBatch, stage: int | None = None) -> bool:
+        """Whether ``mb`` has work left in ``stage``'s segment (None: in any segment)."""
+        if stage is not None:
+            return bool(self._missing(mb, *self.segment(stage)))
+        return any(mb not in self.w_done.get(s, frozenset()) for s in range(self.stages) if s not in self.committed)
+
+    def lowest_unfinished_stage(self, mb: MicroBatch, stage: int | None = None) -> int:
+        """The lowest stage of ``stage``'s segment (None: of all stages not committed) still missing ``mb``."""
+        if stage is not None:
+            return min(self._missing(mb, *self.segment(stage)))
+        return min(s for s in range(self.stages) if s not in self.committed
+                   and mb not in self.w_done.get(s, frozenset()))
+
+    def needed_from_logs(self, microbatches: Sequence[MicroBatch]) -> list[LogSource]:
+        """Every tensor some segment needs from a committed neighbour, in a fixed order."""
+        needed: list[LogSource] = []
+        for lo in range(self.stages):
+            if lo in self.committed or (lo > 0 and lo - 1 not in self.committed):
+                continue  # not the first stage of a segment
+            hi = self.segment(lo)[1]
+            for mb in microbatches:
+                if not self._missing(mb, lo, hi):
+                    continue
+                if lo > 0:
+                    needed.append((False, lo, mb))
+                if hi < self.stages - 1:
+                    needed.append((True, hi, mb))
+        return needed
 
 
 def repair_items(items: Sequence[WorkItem], stage: int, repair: Repair) -> list[WorkItem]:
     """This worker's ops of the interrupted iteration that are still to do, in the plan's order."""
+    if stage in repair.committed:
+        return []
     done = repair.w_done.get(stage, frozenset())
     kept = []
     for item in items:
@@ -237,12 +299,24 @@ def repair_items(items: Sequence[WorkItem], stage: int, repair: Repair) -> list[
             continue
         mb = item.mb
         assert mb is not None
-        if not repair.unfinished(mb):
+        if not repair.unfinished(mb, stage):
             continue
-        if (item.kind is WorkKind.F or (item.kind is WorkKind.B and stage >= repair.lowest_unfinished_stage(mb))
+        if (item.kind is WorkKind.F or (item.kind is WorkKind.B and stage >= repair.lowest_unfinished_stage(mb, stage))
                 or (item.kind is WorkKind.W and mb not in done)):
             kept.append(item)
     return kept
+
+
+def _served_from_log(plan: PlanLike, worker: Worker, rank_of: Callable[[Worker], int],
+                     repair: Repair) -> list[PipeInstruction]:
+    """The log sends this worker posts first in a repair: each tensor it holds that another rank needs."""
+    me = rank_of(worker)
+    cmds: list[PipeInstruction] = []
+    for (grad, stage, mb), holder in sorted(repair.sources.items()):
+        receiver = rank_of(plan.worker_of(stage, mb))
+        if holder == me and receiver != me:
+            cmds.append(SendLoggedTo(micro_batch=mb, peer=receiver, grad=grad, received=worker[1] == stage))
+    return cmds
 
 
 def check_plan_for_job(plan: PlanLike, stages: int, pipelines: int, microbatches: int,
@@ -286,19 +360,35 @@ class PlanSchedule(PipeSchedule):
         self.items = worker_items(plan, worker, min(iteration, plan.iterations - 1))
         _check_items(self.items, worker, plan.microbatches, plan.pipelines)
         sends_grad = None
+        sends_activation = True
+        stage = worker[1]
+
+        def peer(at: int, mb: MicroBatch) -> int:
+            if repair is not None and at in repair.committed:  # a committed neighbour's tensors come from a log
+                return repair.sources[(at > stage, stage, mb)]
+            return rank_of(plan.worker_of(at, mb))
+
         if repair is not None:  # the rest of an interrupted iteration: a subsequence of a checked one
-            self.items = repair_items(self.items, worker[1], repair)
-            stage = worker[1]
-            sends_grad = lambda mb: stage > repair.lowest_unfinished_stage(mb)  # noqa: E731
+            self.items = repair_items(self.items, stage, repair)
+            sends_grad = lambda mb: stage > repair.lowest_unfinished_stage(mb, stage)  # noqa: E731
+            sends_activation = stage + 1 not in repair.committed
+
         if forward_only:  # evaluation: the plan's forwards, in its order and routing
             self.items = [item for item in self.items if item.kind is WorkKind.F]
 
-        def peer(stage: int, mb: MicroBatch) -> int:
-            return rank_of(plan.worker_of(stage, mb))
-
         fuse = getattr(plan, "schedule", None) == "1f1b"
-        self._steps, self._buffers = lower_worker_items(self.items, worker[1], plan.stages, peer, synchronous, fuse,
-                                                        sends_grad)
+        self._steps, self._buffers = lower_worker_items(self.items, stage, plan.stages, peer, synchronous, fuse,
+                                                        sends_grad, sends_activation)
+        if repair is not None:
+            served = _served_from_log(plan, worker, rank_of, repair)
+            if served:
+                self._steps.insert(1, served)
+            if stage in repair.committed:  # nothing of the iteration to compute again: serve, then the norm
+                self._steps.append([WaitSends()])
+                if rank_of(worker) in repair.completing:
+                    self._steps.append([CompleteOptimizerStep()])
+                elif repair.steps_anywhere:
+                    self._steps.append([ShareCommittedNorm()])
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
         yield from self._steps

@@ -30,6 +30,9 @@ class Phase(enum.Enum):
     """While computing an input gradient (B)."""
     BACKWARD_WEIGHT = "backward-weight"
     """While computing weight gradients (W)."""
+    LAST_BACKWARD_WEIGHT = "last-backward-weight"
+    """At the worker's last W of the iteration (in a zero-bubble plan the last stages' deferred W's run while
+    the first stage may have stepped already)."""
     SEND = "send"
     """While sending an activation or a gradient to a peer."""
     RECEIVE = "receive"

@@ -15,7 +15,7 @@ The protocol, over the launcher's store (keys under the generation's root, see
    members, the boundary iteration), and everyone, joiners included, builds the new epoch's groups.
 3. In each stage that gains a worker, the lowest surviving replica broadcasts its state (parameters,
    optimizer state, learning-rate schedule, step counters: a
-   :class:`~ds_recycle.resilience.snapshot.StageSnapshot`) over the new stage group; the joiner loads it and
+   :class:`~ds_recycle.resilience.stage_state.StageState`) over the new stage group; the joiner loads it and
    the planner's plan for the new (smaller) failure set runs from that iteration on.
 
 When training is over, the members set ``join/closed``: a joiner still waiting leaves without joining.
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ds_recycle.resilience.comm import PeerFailure
-from ds_recycle.resilience.snapshot import StageSnapshot
+from ds_recycle.resilience.stage_state import StageState
 from ds_recycle.resilience.store import StoreKeys
 from ds_recycle.resilience.transport import EpochComm
 
@@ -159,14 +159,14 @@ def transfer_stage_state(comm: EpochComm, src: int, rank: int, engine: Any, load
     payload = None
     if rank == src:
         buf = io.BytesIO()
-        torch.save({"snapshot": StageSnapshot.take(engine), "extra": extra or {}}, buf)
+        torch.save({"state": StageState.of(engine), "extra": extra or {}}, buf)
         payload = buf.getvalue()
     data = _broadcast_bytes(comm, payload, src, f"state transfer from rank {src}")
     if not load:
         return data.numel(), {}
     state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
-    snapshot: StageSnapshot = state["snapshot"]
-    snapshot.restore(engine)
+    stage_state: StageState = state["state"]
+    stage_state.restore(engine)
     return data.numel(), dict(state["extra"])
 
 

@@ -6,12 +6,14 @@ failures with nothing added. The engine's transfers and collectives run on per-e
 bounded waits (:mod:`ds_recycle.resilience.transport`). On a
 :class:`~ds_recycle.resilience.comm.PeerFailure` every survivor:
 
-1. announces the iteration it holds a snapshot for and agrees on the live members (store, first writer wins);
+1. reports where it stands (the last step it took, what it finished of the iteration in flight, what its
+   boundary log holds) and agrees on the live members (store, first writer wins);
 2. builds the next epoch's groups among the members and rebuilds the grid the engine reads;
 3. takes the plan for the new failure set from a :class:`~ds_recycle.plan.PlanCache`;
-4. salvages the interrupted iteration (keeps the weight gradients the survivors finished and runs the rest
-   as a repair schedule) or, when that is not possible, restores the snapshot of the earliest unfinished
-   iteration and redoes it (:mod:`ds_recycle.resilience.salvage`, :mod:`ds_recycle.resilience.snapshot`).
+4. repairs the interrupted iteration: stages that stepped it run nothing of it again and serve what their
+   neighbours need from their boundary logs; the others keep the weight gradients the survivors finished
+   and run the rest as a repair schedule (:mod:`ds_recycle.resilience.salvage`). Nothing is rolled back and
+   nothing is copied on the failure-free path.
 
 A restarted worker joins the members at an iteration boundary (:mod:`ds_recycle.resilience.rejoin`).
 
@@ -33,7 +35,9 @@ import torch.distributed as dist
 
 from ds_recycle.config.job import JobConfig
 from ds_recycle.engine import instructions as ins
+from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.engine import IterationProgress, RecyclePipelineEngine, rerouted_pipelines, served_pipelines
+from ds_recycle.engine.p2p import Channel
 from ds_recycle.engine.schedule import rerouted_microbatches
 from ds_recycle.engine.state import cpu_state_dict, merge_in_layer_order
 from ds_recycle.engine.tied import tied_members
@@ -56,8 +60,7 @@ from ds_recycle.resilience.rejoin import (
     wait_for_ticket,
     write_tickets,
 )
-from ds_recycle.resilience.salvage import Report, decide, redo_point
-from ds_recycle.resilience.snapshot import SnapshotRing
+from ds_recycle.resilience.salvage import Decision, Report, decide
 from ds_recycle.resilience.store import StoreKeys, connect_store, incarnation
 from ds_recycle.resilience.transport import BoundedChannel, BoundedOptimizer, EpochComm
 from ds_recycle.resilience.watchdog import Watchdog, run_guarded, watch_members
@@ -106,7 +109,7 @@ class ResilientRunner:
                                optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
         self.epoch = 0
         self.members = sorted(self.workers.ranks.values())
-        self.snapshots = SnapshotRing()
+        self.engine.boundary_log = BoundaryLog()
         self.retired: list[Any] = []
         """Groups and channels of past epochs: kept referenced, never destroyed (peers may be blocked in them)."""
         self.events: list[dict[str, Any]] = []
@@ -184,8 +187,8 @@ class ResilientRunner:
             lr_scheduler=eng.lr_scheduler, served=served, stage_rerouted=rerouted,
             norm_source=min(workers.stage_ranks(0)), rerouted_pipelines=rerouted_pipelines(plan, eng.stage_id),
             microbatches=eng.micro_batches).attach(comm, self._at_step)
-        eng.stepper.clipped_steps, eng.stepper.redone_steps = old.clipped_steps, old.redone_steps
-        eng.stepper._expect_clip = getattr(old, "_expect_clip", False)
+        eng.stepper.clipped_steps = old.clipped_steps
+        eng.stepper.adopt_contributions(old.kept_contributions())
         last = workers.stage_ranks(workers.stages - 1)
         if eng.reporter_rank not in last:  # the metrics stay with one rank for as long as it lives
             eng.reporter_rank = min(last)
@@ -228,8 +231,19 @@ class ResilientRunner:
                 raise PeerFailure("a member exited (seen between instructions)")
             if phase is not None:
                 self._fire(phase)
+                if phase is Phase.BACKWARD_WEIGHT and self._is_last_w(kwargs["micro_batch"]):
+                    self._fire(Phase.LAST_BACKWARD_WEIGHT)
             return handler(engine, **kwargs)
         return run
+
+    def _is_last_w(self, mb: Any) -> bool:
+        """Whether ``mb``'s W is this worker's last of the iteration (looked at only while such a fault waits)."""
+        it = self.engine.iteration
+        if not any(f.iteration == it and f.phase is Phase.LAST_BACKWARD_WEIGHT for f in self.injector.pending):
+            return False
+        ws = [cmd.kwargs["micro_batch"] for step in self.engine._train_schedule().steps() for cmd in step
+              if isinstance(cmd, ins.BackwardWeight)]
+        return bool(ws) and tuple(ws[-1]) == tuple(mb)
 
     # ------------------------------------------------------------------ training
     def train_batch(self) -> torch.Tensor:
@@ -271,9 +285,7 @@ class ResilientRunner:
         while self.engine.iteration < target:
             try:
                 self._fire(Phase.IDLE)
-                self.engine._exec_finish_optimizer_step()  # the previous step is final before the snapshot
-                if self.snapshots.latest != self.engine.iteration:  # held already after a salvage or restore
-                    self.snapshots.take(self.engine)  # from here, a failure loses nothing of the previous iteration
+                self.engine._exec_finish_optimizer_step()
                 if self.comm.probe.failed():
                     raise PeerFailure("a member exited (seen at the iteration boundary)")
                 self._admit_joiners()
@@ -301,10 +313,12 @@ class ResilientRunner:
     def _recover(self, failure: PeerFailure) -> None:
         detected = time.time()
         rc = self.cfg.recycle
-        self._join_checked = None  # every member checks for joiners again at the boundary it redoes
+        eng = self.engine
+        self._join_checked = None  # every member checks for joiners again at the boundary it repairs
         self.epoch += 1
-        snap_key = f"{self.keys.root}/epoch/{self.epoch}/snap/"
-        self.store.set(snap_key + str(self.rank), self._report().to_json())
+        eng.stepper.settle()  # a step already taken is complete here, with nothing left to wait for
+        report_key = f"{self.keys.root}/epoch/{self.epoch}/report/"
+        self.store.set(report_key + str(self.rank), self._report().to_json())
         try:
             members = agree_members(self.store, self.epoch, self.rank, self.members, self.liveness,
                                     timeout_s=rc.failure_timeout_s, keys=self.keys)
@@ -312,17 +326,11 @@ class ResilientRunner:
             logger.error("%s; leaving as lost (exit %d)", e, ckpt.LOST_EXIT_CODE)
             self._exit(ckpt.LOST_EXIT_CODE)
         agreed = time.time()
-        reports = {q: Report.from_json(self.store.get(snap_key + str(q))) for q in members}
-        redo, members = redo_point({q: (r.earliest, r.latest) for q, r in reports.items()})
-        if self.rank not in members:
-            logger.error("no snapshot of iteration %d here (joined at %s): leaving as lost (exit %d)", redo,
-                         self.joined_at, ckpt.LOST_EXIT_CODE)
-            self._exit(ckpt.LOST_EXIT_CODE)
+        reports = {q: Report.from_json(self.store.get(report_key + str(q))) for q in members}
         dead = sorted(set(self.members) - set(members))
         killed = [float(self.store.get(self._fault_key(q))) for q in dead if self.store.check([self._fault_key(q)])]
         self._event("failure", lost_ranks=dead, lost_workers=[list(self.workers.worker_of_rank(q)) for q in dead],
                     reason=str(failure), epoch=self.epoch)
-        self._event("agreement", members=members, epoch=self.epoch, redo_iteration=redo)
         workers = self._workers_of(members)
         self.members = members
         self.workers = workers
@@ -333,31 +341,68 @@ class ResilientRunner:
         except StageLostError as e:
             self._fall_back(e)
         planned = time.time()
-        decision = decide({q: reports[q] for q in members}, plan, workers, salvage=rc.salvage)
-        eng = self.engine
+        tied = [frozenset(t.stages) for t in eng.tied]
+        decision = decide(reports, plan, workers, salvage=rc.salvage, tied_stages=tied)
+        k = decision.iteration
+        self._event("agreement", members=members, epoch=self.epoch, repair_iteration=k,
+                    committed_stages=sorted(decision.committed))
+        if decision.unrecoverable:
+            self._fall_back(RuntimeError(f"iteration {k} cannot be repaired: {decision.unrecoverable}"))
+        completing = self.rank in decision.repair.completing  # it holds the reduced gradients: only the step is left
+        if not completing:
+            eng.stepper.revert()  # a reduction whose step was not taken is undone (its rows were kept)
         rows, loss_sum, progress = eng.stepper.partial_rows(), eng._loss_sum, eng.progress
         self._install(comm, workers, plan)
         self._event("plan_switch", absent=sorted(list(w) for w in workers.absent()), rerouted=self.rerouted)
-        if decision.repair is not None:  # keep the finished work; run the rest of the iteration
-            if progress.iteration != redo:  # it was at the boundary of the iteration: nothing of it done yet
-                rows, loss_sum, progress = {}, None, IterationProgress(redo)
+        moved = self._roll_forward(decision, reports)
+        assert eng.boundary_log is not None
+        eng.boundary_log.discard_from(k + 1)  # work of the next iteration, begun by committed stages, is redone
+        if completing:  # serves logs, then steps with the gradients it holds
+            progress = IterationProgress(k, awaiting_norm=True)
+        elif eng.stage_id in decision.committed:  # stepped k: only serve logs (and the norm) in its repair
+            rows, loss_sum, progress = {}, None, IterationProgress(k, stepped=True)
+        elif eng.stage_id in decision.dropped or progress.iteration != k:  # nothing of k kept on this stage
+            rows, loss_sum, progress = {}, None, IterationProgress(k)
+        if not completing:
             eng.stepper.adopt_rows(rows)
-            eng._loss_sum, eng.progress, eng.repair = loss_sum, progress, decision.repair
-        else:
-            eng.repair = None
-            self.snapshots.restore(redo, eng)
+        eng._loss_sum, eng.progress, eng.repair = loss_sum, progress, decision.repair
+        if eng.iteration < k:  # it stepped k - 1 but was still waiting for that iteration's loss: nobody re-sends it
+            eng.loss = eng.agg_train_loss = torch.full((), float("nan"))
+        eng.iteration = k
         restored = time.time()
         prev = self._recovery or {}
         self._recovery = {"killed_at": min(killed) if killed else prev.get("killed_at"), "detected_at": detected,
                           "detection_s": detected - min(killed) if killed else None, "agreement_s": agreed - detected,
                           "regroup_s": regrouped - agreed, "plan_lookup_s": planned - regrouped,
-                          "restore_s": restored - planned, "redo_iteration": redo, "_restored_at": restored,
-                          "salvaged": decision.repair is not None, "kept_weight_gradients":
-                          decision.kept_weight_gradients, "redo_reason": decision.why}
-        logger.warning("recovered from the loss of ranks %s: members %s, redoing iteration %d", dead, members, redo)
+                          "restore_s": restored - planned, "repair_iteration": k, "_restored_at": restored,
+                          "committed_stages": sorted(decision.committed), "dropped_stages": sorted(decision.dropped),
+                          "kept_weight_gradients": decision.kept_weight_gradients,
+                          "tensors_from_logs": decision.from_logs, "rolled_forward_bytes": moved,
+                          "completed_steps": len(decision.repair.completing)}
+        logger.warning("recovered from the loss of ranks %s: members %s, repairing iteration %d (stages %s had "
+                       "stepped it)", dead, members, k, sorted(decision.committed))
 
-    def _fall_back(self, error: StageLostError) -> None:
-        """Every worker of a stage is gone: restart the whole job from the latest checkpoint (never returns)."""
+    def _roll_forward(self, decision: Decision, reports: dict[int, Report]) -> int:
+        """Replicas of a committed stage that had not taken the step get the state of one that had (rare)."""
+        stage = self.engine.stage_id
+        src = decision.roll_forward.get(stage)
+        if src is None:
+            return 0
+        behind = reports[self.rank].stepped < decision.iteration and self.rank not in decision.repair.completing
+        st = self.engine.stepper
+        extra = ({**self._stepper_state(), "contributions": st.kept_contributions(),
+                  "losses": dict(self.engine._losses)} if self.rank == src else None)
+        moved, got = transfer_stage_state(self.comm, src, self.rank, self.engine, load=behind, extra=extra)
+        if behind:
+            st.clipped_steps = got["clipped_steps"]
+            st.adopt_contributions(got["contributions"])
+            self.engine._losses.update(got["losses"])
+        self._event("roll_forward", stage=stage, source=src, iteration=decision.iteration, state_bytes=moved)
+        return moved
+
+    def _fall_back(self, error: Exception) -> NoReturn:
+        """Re-routing or repair is impossible (a stage lost, a tensor no live worker holds): restart the whole job
+        from the latest checkpoint (never returns)."""
         if self.fallback_directory is None:
             self._event("stage_lost", reason=str(error))
             logger.error("cannot re-route (%s) and there is no checkpoint to fall back to (no --checkpoint-dir): "
@@ -379,24 +424,32 @@ class ResilientRunner:
                          {w: r for w, r in self.job_workers.ranks.items() if r in members})
 
     def _report(self) -> Report:
-        """What this member holds of the iteration in flight (see :mod:`ds_recycle.resilience.salvage`)."""
+        """Where this member stands (see :mod:`ds_recycle.resilience.salvage`)."""
         eng, prog = self.engine, self.engine.progress
-        if prog.iteration < self.snapshots.latest:  # at a boundary: the next iteration has not started
-            prog = IterationProgress(self.snapshots.latest)
+        stepped = prog.iteration if prog.iteration == eng.iteration and prog.stepped else eng.iteration - 1
         served = tuple((d, i) for d in range(self.plan.pipelines) for i in range(self.plan.microbatches)
                        if self.plan.worker_of(eng.stage_id, (d, i)) == eng.worker)
-        return Report(self.snapshots.earliest, self.snapshots.latest, prog.iteration, prog.stepping, eng.stage_id,
-                      served, tuple(sorted(prog.w_done)))
+        log = eng.boundary_log
+        held = () if log is None else tuple(
+            (k, channel is Channel.GRAD, role is Role.RECEIVED, mb)
+            for k in (stepped, stepped + 1) for channel, role, mb in log.held(k))
+        in_flight = prog.iteration if not prog.stepped else prog.iteration + 1
+        awaiting = prog.awaiting_norm and not prog.stepped and prog.iteration == eng.iteration
+        return Report(eng.stage_id, stepped, in_flight, served, tuple(sorted(prog.w_done)) if not prog.stepped else (),
+                      held, awaiting)
 
     def _stepper_state(self) -> dict[str, Any]:
         st = self.engine.stepper
-        return {"clipped_steps": st.clipped_steps, "redone_steps": st.redone_steps,
-                "expect_clip": getattr(st, "_expect_clip", False)}
+        return {"clipped_steps": st.clipped_steps}
 
     def _admit_joiners(self) -> None:
-        """At an iteration boundary: let in the restarted workers whose join requests the members agree on."""
+        """At an iteration boundary: let in the restarted workers whose join requests the members agree on.
+
+        Not while an interrupted iteration is being repaired (every member has the repair): its schedule is
+        fixed for the members that made it; joiners come in at the next boundary.
+        """
         boundary = self.engine.iteration
-        if self._join_checked == boundary:
+        if self._join_checked == boundary or self.engine.repair is not None:
             return
         self._join_checked = boundary
         filed = torch.tensor([int(self.store.add(self.keys.join_requests, 0))], dtype=torch.int64)
@@ -467,8 +520,7 @@ class ResilientRunner:
             raise RuntimeError(f"state from rank {src} is at iteration {self.engine.iteration}, "
                                f"the ticket says {ticket.iteration}")
         st = self.engine.stepper
-        st.clipped_steps, st.redone_steps = extra["clipped_steps"], extra["redone_steps"]
-        st._expect_clip = extra["expect_clip"]
+        st.clipped_steps = extra["clipped_steps"]
         self._join_checked = self.joined_at = self._target = ticket.iteration
         self._event("rejoin", ranks=[self.rank], workers=[list(self.engine.worker)], iteration=ticket.iteration,
                     members=self.members, join_s=time.time() - started, state_bytes=moved)
@@ -536,7 +588,6 @@ class ResilientRunner:
         """
         if start is not None:
             self._target = self.engine._calls = start
-            self.snapshots = SnapshotRing()
         self.events = carried_events(self.store, self.generation) + self.events
         self._event("resumed", iteration=start or 0, generation=self.generation, directory=directory,
                     checkpoint_found=start is not None)
@@ -554,8 +605,7 @@ class ResilientRunner:
                 self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "end-of-training barrier")
                 self._finished = True
                 st = self.engine.stepper
-                logger.info("optimizer steps: %d, clipped %d, redone after post-validation %d",
-                            self.engine.global_steps, st.clipped_steps, st.redone_steps)
+                logger.info("optimizer steps: %d, clipped %d", self.engine.global_steps, st.clipped_steps)
             except PeerFailure as failure:
                 self._recover(failure)
                 self._advance(self._target)

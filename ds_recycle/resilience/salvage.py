@@ -1,53 +1,66 @@
-"""Salvage of the interrupted iteration: keep what the survivors finished, redo only what is missing.
+"""The repair of the interrupted iteration: keep what the survivors finished, never roll a stage back.
 
-After a failure each member reports (through the store) what it holds of the iteration in flight: the
-snapshots it could restore, whether its optimizer instruction had started, the micro-batches its stage
-serves under the old plan and those whose weight gradient it has already accumulated. Every member then
-computes the same decision from the same reports (:func:`decide`):
+After a failure each member reports (through the store) where it stands (:class:`Report`): the last
+iteration whose optimizer step it took, what it has finished of the iteration in flight, and what its
+boundary log holds (:mod:`ds_recycle.engine.boundary_log`). Every member then computes the same decision
+from the same reports (:func:`decide`). Let ``k`` be the earliest iteration some member has not stepped:
 
-- **salvage** when every member is in the same iteration, none has started its optimizer step (the gradient
-  reduction consumes the per-pipeline sums), and the new plan keeps every micro-batch a survivor served at its
-  stage on that survivor (so its partial gradient sums stay whole). The result is a
-  :class:`~ds_recycle.engine.schedule.Repair`: the weight gradients already accumulated stay, and the rest of
-  the iteration runs as a filtered schedule of the new plan (every unfinished micro-batch is forwarded again,
-  its B runs from its lowest unfinished stage up, its W only where missing);
-- **redo** otherwise: every member restores the snapshot taken at the start of the iteration and runs it
-  again under the new plan.
+- every member has stepped ``k - 1`` (a stage never runs ahead of another by more than one step), so no
+  state is ever restored from a copy;
+- a stage some member has stepped ``k`` on is *committed*: it runs nothing of ``k`` again. A replica of it
+  that had not taken the step yet but holds the stage's reduced gradients and waited only for the clipping
+  norm takes its step in the repair (``completing``); one that the failure caught earlier in the reduction is
+  brought forward: a committed replica broadcasts its stage state to it once (``roll_forward``), the only
+  state that ever moves, in a window of milliseconds. A stage whose every replica waited only for the norm is
+  committed the same way;
+- the other stages finish ``k``: weight gradients already accumulated stay (a reduction that was under way
+  is undone: its rows were kept), and the rest runs as a :class:`~ds_recycle.engine.schedule.Repair` of the
+  new plan. What they need from a committed neighbour (it cannot compute it again) comes from a boundary log
+  of a live member: the neighbour that sent it, or the worker that received it;
+- if the new plan moves a survivor's micro-batches of a stage that has not stepped to another survivor, that
+  stage's partial sums are dropped and its part of ``k`` is done again from the start (its parameters have
+  not moved, so nothing needs restoring).
 
-Either way no gradient is lost, doubled or half-applied: a weight gradient is accumulated once per (stage,
-micro-batch), in the same per-pipeline order as in a failure-free run.
+No gradient is lost, doubled or half-applied: a weight gradient is accumulated once per (stage,
+micro-batch), in the same per-pipeline order as in a failure-free run, and every stage steps each iteration
+once. What cannot be repaired (a tensor needed from a log whose sender and receiver both died; a weight tied
+across a committed and an uncommitted stage) is named in :attr:`Decision.unrecoverable`: the job then falls
+back to its checkpoint.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ds_recycle.engine.schedule import PlanLike, Repair
+from ds_recycle.engine.schedule import LogSource, PlanLike, Repair
 from ds_recycle.runtime.grid import WorkerMap
 
-__all__ = ["Decision", "Report", "decide", "redo_point"]
+__all__ = ["Decision", "Report", "decide"]
 
 MicroBatch = tuple[int, int]
+LogEntry = tuple[int, bool, bool, MicroBatch]
+"""``(iteration, is a gradient, this worker received it, micro-batch)``: one boundary-log entry."""
 
 
 @dataclass(frozen=True)
 class Report:
-    """One member's holdings after a failure."""
+    """One member's position after a failure."""
 
-    earliest: int
-    """Earliest iteration whose start snapshot it holds (-1: none)."""
-    latest: int
-    """Latest such iteration: the one it was running (or about to run)."""
-    in_flight: int
-    """The iteration its progress record belongs to (-1: none started)."""
-    stepping: bool
     stage: int
+    stepped: int
+    """The last iteration whose optimizer step it took (-1: none)."""
+    in_flight: int
+    """The iteration its progress record belongs to (the one after ``stepped`` when it had started it)."""
     served: tuple[MicroBatch, ...]
     """Micro-batches its stage ran on it under the old plan, this iteration."""
     w_done: tuple[MicroBatch, ...]
-    """Micro-batches whose weight gradient it has accumulated this iteration."""
+    """Micro-batches of ``in_flight`` whose weight gradient it has accumulated."""
+    logs: tuple[LogEntry, ...] = ()
+    awaiting: bool = False
+    """It holds its stage's reduced (and tied-weight summed) gradients of ``in_flight`` and waited only for the
+    clipping norm to step."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -55,9 +68,11 @@ class Report:
     @classmethod
     def from_json(cls, text: str | bytes) -> Report:
         raw: dict[str, Any] = json.loads(text)
-        return cls(raw["earliest"], raw["latest"], raw["in_flight"], raw["stepping"], raw["stage"],
+        return cls(raw["stage"], raw["stepped"], raw["in_flight"],
                    tuple((int(d), int(i)) for d, i in raw["served"]),
-                   tuple((int(d), int(i)) for d, i in raw["w_done"]))
+                   tuple((int(d), int(i)) for d, i in raw["w_done"]),
+                   tuple((int(k), bool(g), bool(r), (int(mb[0]), int(mb[1]))) for k, g, r, mb in raw["logs"]),
+                   bool(raw["awaiting"]))
 
 
 @dataclass(frozen=True)
@@ -66,55 +81,98 @@ class Decision:
 
     iteration: int
     members: tuple[int, ...]
-    """The members that take part (a member without the needed snapshot leaves)."""
-    repair: Repair | None
-    """None: restore the snapshot of ``iteration`` and redo it whole."""
-    why: str
-    """Why the iteration is redone rather than salvaged (empty when salvaged)."""
+    repair: Repair
+    roll_forward: Mapping[int, int] = field(default_factory=dict)
+    """Committed stage -> the replica that sends its state to the replicas that had not stepped."""
+    dropped: frozenset[int] = frozenset()
+    """Stages whose partial sums are dropped (the new plan moves their micro-batches between survivors)."""
+    unrecoverable: str = ""
+    """Why the iteration cannot be repaired (empty: it can)."""
+
+    @property
+    def committed(self) -> frozenset[int]:
+        return self.repair.committed
 
     @property
     def kept_weight_gradients(self) -> int:
-        return 0 if self.repair is None else sum(len(v) for v in self.repair.w_done.values())
+        return sum(len(v) for v in self.repair.w_done.values())
+
+    @property
+    def from_logs(self) -> int:
+        return len(self.repair.sources)
 
 
-def redo_point(held: Mapping[int, tuple[int, int]]) -> tuple[int, list[int]]:
-    """The interrupted iteration, and the members that can take part: ``held`` maps each agreed member to
-    the (earliest, latest) iterations whose start state it holds (-1, -1: none).
-
-    It is the earliest iteration some member had not finished (the smallest ``latest``); a member without
-    that snapshot (a worker that joined during the interrupted iteration) leaves. Every member computes the
-    same answer from the same store values.
-    """
-    holding = {q: span for q, span in held.items() if span[1] >= 0}
-    if not holding:
-        raise RuntimeError(f"no member holds a snapshot to redo from: {dict(held)}")
-    redo = min(latest for _, latest in holding.values())
-    return redo, sorted(q for q, (earliest, latest) in holding.items() if earliest <= redo <= latest)
-
-
-def decide(reports: Mapping[int, Report], new_plan: PlanLike, workers: WorkerMap, salvage: bool = True) -> Decision:
-    """The members' common decision; ``reports`` and ``workers`` cover exactly the members that take part
-    (see :func:`redo_point`), ``new_plan`` is the plan for their failure set. ``salvage=False``
-    (``recycle.salvage``) always redoes."""
-    redo = min(r.latest for r in reports.values())
+def decide(reports: Mapping[int, Report], new_plan: PlanLike, workers: WorkerMap, salvage: bool = True,
+           tied_stages: Sequence[frozenset[int]] = ()) -> Decision:
+    """The members' common decision; ``reports`` and ``workers`` cover exactly the agreed members, ``new_plan``
+    is the plan for their failure set. ``salvage=False`` (``recycle.salvage``) drops every partial sum of the
+    stages that have not stepped. ``tied_stages``: for each weight tied across stages, the stages that hold it."""
+    k = min(r.stepped for r in reports.values()) + 1
+    ahead = {q: r.stepped for q, r in reports.items() if r.stepped > k}
+    if ahead:
+        raise RuntimeError(f"members {sorted(ahead)} stepped iterations {sorted(set(ahead.values()))}, beyond "
+                           f"{k}, while others have not stepped {k - 1}: their reports are inconsistent")
     members = tuple(sorted(reports))
-    why = _why_not_salvage(reports, redo, new_plan, workers) if salvage else "salvage is off (recycle.salvage)"
-    if why:
-        return Decision(redo, members, None, why)
-    w_done: dict[int, frozenset[MicroBatch]] = {}
-    for r in reports.values():
-        w_done[r.stage] = w_done.get(r.stage, frozenset()) | frozenset(r.w_done)
-    return Decision(redo, members, Repair(new_plan.stages, w_done), "")
-
-
-def _why_not_salvage(reports: Mapping[int, Report], redo: int, new_plan: PlanLike, workers: WorkerMap) -> str:
+    by_stage: dict[int, list[int]] = {}
     for q, r in reports.items():
-        if r.latest != redo or r.in_flight != redo:
-            return f"rank {q} is not in iteration {redo} (snapshot {r.latest}, progress of {r.in_flight})"
-        if r.stepping:
-            return f"rank {q} had started the optimizer step of iteration {redo}"
+        by_stage.setdefault(r.stage, []).append(q)
+    committed: set[int] = set()
+    completing: set[int] = set()
+    roll_forward: dict[int, int] = {}
+    for s, ranks in sorted(by_stage.items()):
+        stepped = [q for q in ranks if reports[q].stepped == k]
+        awaiting = [q for q in ranks if reports[q].stepped < k and reports[q].awaiting and reports[q].in_flight == k]
+        if stepped:  # replicas that waited only for the norm step now; any other one gets the stage's state
+            committed.add(s)
+            completing.update(awaiting)
+            if len(stepped) + len(awaiting) < len(ranks):
+                roll_forward[s] = min(stepped)
+        elif len(awaiting) == len(ranks):  # every replica holds the reduced gradients: finish the step
+            committed.add(s)
+            completing.update(awaiting)
+    dropped = set()
+    w_done: dict[int, frozenset[MicroBatch]] = {}
+    for q, r in reports.items():
+        if r.stage in committed or r.in_flight != k:
+            continue
         worker = workers.worker_of_rank(q)
-        moved = [mb for mb in r.served if new_plan.worker_of(r.stage, mb) != worker]
-        if moved:
-            return f"the new plan moves micro-batches {moved[:4]} of stage {r.stage} away from rank {q}"
-    return ""
+        if not salvage or any(new_plan.worker_of(r.stage, mb) != worker for mb in r.served):
+            dropped.add(r.stage)
+        w_done[r.stage] = w_done.get(r.stage, frozenset()) | frozenset(r.w_done)
+    for s in dropped:
+        w_done.pop(s, None)
+    unrecoverable = ""
+    for stages in tied_stages:
+        if stages & committed and stages - committed:
+            unrecoverable = (f"a weight tied across stages {sorted(stages)} was stepped on stages "
+                             f"{sorted(stages & committed)} but not on {sorted(stages - committed)}")
+    base = Repair(new_plan.stages, w_done, frozenset(committed))
+    mbs = [(d, i) for d in range(new_plan.pipelines) for i in range(new_plan.microbatches)]
+    sources: dict[LogSource, int] = {}
+    for need in base.needed_from_logs(mbs):
+        holder = _holder(need, k, reports, new_plan, workers)
+        if holder is None:
+            grad, stage, mb = need
+            unrecoverable = unrecoverable or (
+                f"the {'gradient' if grad else 'activation'} of micro-batch {mb} into stage {stage} of iteration "
+                f"{k} is held by no live worker (its sender and its receiver both failed)")
+            continue
+        sources[need] = holder
+    repair = Repair(new_plan.stages, w_done, frozenset(committed), sources, frozenset(completing))
+    return Decision(k, members, repair, roll_forward, frozenset(dropped), unrecoverable)
+
+
+def _holder(need: LogSource, k: int, reports: Mapping[int, Report], new_plan: PlanLike,
+            workers: WorkerMap) -> int | None:
+    """The live rank to take ``need`` from: the new receiver itself if it holds it, else the sender, else any
+    other receiver (lowest rank first)."""
+    grad, stage, mb = need
+    sender_stage = stage + 1 if grad else stage - 1
+    receiver = workers.rank_of(new_plan.worker_of(stage, mb))
+    senders = [q for q, r in reports.items() if r.stage == sender_stage and (k, grad, False, mb) in r.logs]
+    receivers = [q for q, r in reports.items() if r.stage == stage and (k, grad, True, mb) in r.logs]
+    if receiver in receivers:
+        return receiver
+    if senders:
+        return min(senders)
+    return min(receivers) if receivers else None

@@ -1,6 +1,7 @@
-"""Pure parts of run-time survival: the fault config, --kill, snapshots (no processes)."""
+"""Pure parts of run-time survival: the fault config, --kill, stage state, the boundary log (no processes)."""
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -8,9 +9,11 @@ import pytest
 import torch
 
 from ds_recycle.config import ConfigError, load_config
+from ds_recycle.engine.boundary_log import BoundaryLog, Role
+from ds_recycle.engine.p2p import Channel
 from ds_recycle.resilience.faults import Phase
 from ds_recycle.resilience.runner import faults_of
-from ds_recycle.resilience.snapshot import SnapshotRing
+from ds_recycle.resilience.stage_state import StageState
 from ds_recycle.train.loop import _load, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +58,7 @@ def test_timeouts_must_be_positive() -> None:
 
 
 class _Engine:
-    """The attributes a snapshot reads and writes, on a real module and optimizer."""
+    """The attributes a stage state reads and writes, on a real module and optimizer."""
 
     def __init__(self) -> None:
         torch.manual_seed(0)
@@ -74,24 +77,30 @@ class _Engine:
         self.global_samples += 8
 
 
-def test_snapshot_restore_redoes_bit_identically() -> None:
-    eng, ring = _Engine(), SnapshotRing(depth=2)
+def test_stage_state_moves_a_stage_whole_and_training_continues_bit_identically() -> None:
+    eng, other = _Engine(), _Engine()
     for _ in range(3):
-        ring.take(eng)
         eng.step()
-    reference = [p.detach().clone() for p in eng.module.parameters()]
-    ring.restore(1, eng)  # two iterations back, as a stage that had stepped ahead would
-    assert eng.iteration == 1 and eng.global_steps == 1 and ring.latest == 1
+    buf = io.BytesIO()
+    torch.save(StageState.of(eng), buf)  # what a roll-forward or a join sends
+    torch.load(io.BytesIO(buf.getvalue()), weights_only=False).restore(other)
+    assert other.iteration == other.global_steps == 3 and other.global_samples == 24
     for _ in range(2):
-        ring.take(eng)
         eng.step()
-    assert all(torch.equal(a, b) for a, b in zip(reference, eng.module.parameters()))
+        other.step()
+    assert all(torch.equal(a, b) for a, b in zip(eng.module.parameters(), other.module.parameters()))
 
 
-def test_snapshot_ring_refuses_an_iteration_it_no_longer_holds() -> None:
-    eng, ring = _Engine(), SnapshotRing(depth=2)
-    for _ in range(3):
-        ring.take(eng)
-        eng.step()
-    with pytest.raises(RuntimeError, match="cannot redo iteration 0"):
-        ring.restore(0, eng)
+def test_boundary_log_keeps_two_iterations_and_forgets_thrown_away_work() -> None:
+    log = BoundaryLog()
+    for k in range(4):
+        log.begin(k)
+        log.record(k, Channel.ACTIVATION, Role.SENT, (0, 1), torch.ones(4))
+        log.record(k, Channel.GRAD, Role.RECEIVED, (0, 1), (torch.ones(2), torch.zeros(2)))
+    assert {k for k in range(4) if list(log.held(k))} == {2, 3}  # begin(3) dropped iterations before 2
+    assert log.nbytes() == 2 * (16 + 16) and log.peak_bytes == 2 * (16 + 16)
+    assert torch.equal(log.get(3, Channel.ACTIVATION, Role.SENT, (0, 1)), torch.ones(4))
+    with pytest.raises(RuntimeError, match="received activation of micro-batch"):
+        log.get(3, Channel.ACTIVATION, Role.RECEIVED, (0, 1))
+    log.discard_from(3)
+    assert len(log) == 2 and not list(log.held(3))

@@ -9,7 +9,7 @@ import pytest
 from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.schedule import PlanSchedule, Repair, WorkKind, repair_items, worker_items
 from ds_recycle.plan import CostModel, make_plan
-from ds_recycle.resilience.salvage import Report, decide, redo_point
+from ds_recycle.resilience.salvage import Report, decide
 from ds_recycle.runtime.grid import WorkerMap
 
 ALL = [(d, i) for d in range(2) for i in range(4)]
@@ -45,6 +45,8 @@ def _messages(plan, repair: Repair) -> tuple[Counter, Counter]:
                 mb = tuple(cmd.kwargs.get("micro_batch", ()))
                 if isinstance(cmd, (ins.SendActivationTo, ins.SendGradTo)):
                     sends[(type(cmd) is ins.SendGradTo, rank, cmd.kwargs["peer"], mb)] += 1
+                elif isinstance(cmd, ins.SendLoggedTo):
+                    sends[(cmd.kwargs["grad"], rank, cmd.kwargs["peer"], mb)] += 1
                 elif isinstance(cmd, (ins.RecvActivationFrom, ins.RecvGradFrom)):
                     recvs[(type(cmd) is ins.RecvGradFrom, cmd.kwargs["peer"], rank, mb)] += 1
     return sends, recvs
@@ -61,41 +63,102 @@ def test_repair_schedules_match_every_send_with_a_receive(schedule: str, seed: i
     assert all(n == 1 for n in sends.values())
 
 
-def _report(stage: int, served: list, w_done: list, latest: int = 5, in_flight: int = 5,
-            stepping: bool = False) -> Report:
-    return Report(latest - 1, latest, in_flight, stepping, stage, tuple(served), tuple(w_done))
+def _report(stage: int, served: list, w_done: list, stepped: int = 4, in_flight: int = 5,
+            logs: tuple = (), awaiting: bool = False) -> Report:
+    return Report(stage, stepped, in_flight, tuple(served), tuple(w_done), logs, awaiting)
 
 
-def test_decision_salvages_when_every_member_is_mid_iteration() -> None:
+def test_decision_keeps_finished_work_when_every_member_is_mid_iteration() -> None:
     plan = _plan([(1, 0)])
     workers = WorkerMap.dense(2, 2, frozenset({(1, 0)}))  # ranks: (0,0) 0, (0,1) 1, (1,1) 2
     own0 = [(0, i) for i in range(4)]
     reports = {0: _report(0, own0, [(0, 0)]), 1: _report(1, own0, [(0, 0), (0, 1)]),
                2: _report(1, [(1, i) for i in range(4)], [(1, 0)])}
     decision = decide(reports, plan, workers)
-    assert decision.repair is not None and decision.iteration == 5 and decision.why == ""
+    assert decision.iteration == 5 and not decision.unrecoverable and not decision.committed
     assert decision.repair.w_done == {0: {(0, 0)}, 1: {(0, 0), (0, 1), (1, 0)}}
-    assert decision.kept_weight_gradients == 4
+    assert decision.kept_weight_gradients == 4 and not decision.roll_forward and not decision.dropped
     assert Report.from_json(reports[2].to_json()) == reports[2]
 
 
-def test_decision_redoes_when_a_stage_has_reduced_or_work_moves() -> None:
+def test_decision_drops_a_stage_whose_work_moves_and_a_member_at_the_boundary_keeps_nothing() -> None:
     plan = _plan([(1, 0)])
     workers = WorkerMap.dense(2, 2, frozenset({(1, 0)}))
     own0, own1 = [(0, i) for i in range(4)], [(1, i) for i in range(4)]
-    stepped = {0: _report(0, own0, own0), 1: _report(1, own0, own0, stepping=True), 2: _report(1, own1, [])}
-    assert "optimizer step" in decide(stepped, plan, workers).why
-    behind = {0: _report(0, own0, []), 1: _report(1, own0, [], in_flight=4), 2: _report(1, own1, [])}
-    assert "not in iteration 5" in decide(behind, plan, workers).why
-    moved = {0: _report(0, own0, []), 1: _report(1, own1, []), 2: _report(1, own1, [])}  # rank 1 held (1, *)
-    assert "moves micro-batches" in decide(moved, plan, workers).why
-    assert decide(moved, plan, workers).repair is None
+    moved = {0: _report(0, own0, [(0, 0)]), 1: _report(1, own1, [(1, 0)]), 2: _report(1, own1, [])}
+    decision = decide(moved, plan, workers)  # rank 1 held (1, *), which the new plan gives rank 2
+    assert decision.dropped == {1} and decision.repair.w_done == {0: {(0, 0)}}
+    behind = {0: _report(0, own0, [(0, 1)], in_flight=4), 1: _report(1, own0, []), 2: _report(1, own1, [])}
+    assert decide(behind, plan, workers).repair.w_done.get(0, frozenset()) == frozenset()
+    off = decide({0: _report(0, own0, [(0, 0)]), 1: _report(1, own0, []), 2: _report(1, own1, [])}, plan, workers,
+                 salvage=False)
+    assert off.dropped == {0, 1}
 
 
-def test_redo_point_drops_a_member_without_the_snapshot() -> None:
-    # ranks 0, 2 hold iterations 5..7 and 6..8; rank 1 joined at 8; rank 3 joined but holds nothing yet
-    redo, members = redo_point({0: (5, 7), 1: (8, 8), 2: (6, 8), 3: (-1, -1)})
-    assert (redo, members) == (7, [0, 2])
-    assert redo_point({0: (3, 5), 1: (4, 5)}) == (5, [0, 1])
-    with pytest.raises(RuntimeError, match="no member holds"):
-        redo_point({0: (-1, -1)})
+def _log(k: int, grad: bool, received: bool, mbs: list) -> tuple:
+    return tuple((k, grad, received, mb) for mb in mbs)
+
+
+def test_a_committed_stage_serves_its_logs_instead_of_being_rolled_back() -> None:
+    """Stage 1 had stepped iteration 5 when worker (1, 0) of stage 0 died: stage 0 redoes its part of 5 with the
+    output gradients stage 1 logged; nothing of stage 1 runs again."""
+    plan = _plan([(1, 0)])
+    workers = WorkerMap.dense(2, 2, frozenset({(1, 0)}))  # ranks: (0,0) 0, (0,1) 1, (1,1) 2
+    own0, own1 = [(0, i) for i in range(4)], [(1, i) for i in range(4)]
+    reports = {0: _report(0, own0, own0[:2], logs=_log(5, True, True, own0)),
+               1: _report(1, own0, own0, stepped=5, in_flight=6, logs=_log(5, True, False, own0)),
+               2: _report(1, own1, own1, stepped=5, in_flight=6, logs=_log(5, True, False, own1))}
+    decision = decide(reports, plan, workers)
+    assert decision.iteration == 5 and decision.committed == {1} and not decision.unrecoverable
+    assert decision.repair.w_done == {0: set(own0[:2])}
+    # what stage 0 still needs: the gradients of the micro-batches it has not finished, from their holders
+    assert set(decision.repair.sources) == {(True, 0, mb) for mb in own0[2:] + own1}
+    assert all(decision.repair.sources[(True, 0, mb)] == 0 for mb in own0[2:])  # rank 0 received them itself
+    assert all(decision.repair.sources[(True, 0, mb)] == 2 for mb in own1)  # sent by rank 2, receiver died
+    stage1 = PlanSchedule(plan, (0, 1), workers.rank_of, 5, repair=decision.repair)
+    kinds = [type(cmd) for step in stage1.steps() for cmd in step]
+    assert ins.StaggeredOptimizerStep not in kinds and ins.ForwardMicroBatch not in kinds
+
+
+def test_a_replica_caught_between_reduction_and_step_is_rolled_forward_and_lost_tensors_are_named() -> None:
+    plan = _plan([(1, 0)])
+    workers = WorkerMap.dense(2, 2, frozenset({(1, 0)}))
+    own0, own1 = [(0, i) for i in range(4)], [(1, i) for i in range(4)]
+    reports = {0: _report(0, own0, own0, logs=_log(5, True, True, own0)),
+               1: _report(1, own0, own0, stepped=5, in_flight=6, logs=_log(5, True, False, own0)),
+               2: _report(1, own1, own1, logs=_log(5, True, False, own1))}
+    decision = decide(reports, plan, workers)
+    assert decision.roll_forward == {1: 1} and decision.committed == {1}
+    lost = dict(reports)
+    lost[2] = _report(1, own1, own1)  # its log is gone: the gradients for the dead worker's micro-batches too
+    assert "held by no live worker" in decide(lost, plan, workers).unrecoverable
+    assert "tied" in decide(reports, plan, workers, tied_stages=[frozenset({0, 1})]).unrecoverable
+    waiting = dict(reports)
+    waiting[2] = _report(1, own1, own1, logs=_log(5, True, False, own1), awaiting=True)
+    finishing = decide(waiting, plan, workers)  # it had the reduced gradients: it steps, no state moves
+    assert not finishing.roll_forward and finishing.repair.completing == {2}
+    both = {0: reports[0], 1: _report(1, own0, own0, logs=_log(5, True, False, own0), awaiting=True),
+            2: waiting[2]}
+    assert decide(both, plan, workers).committed == {1} and decide(both, plan, workers).repair.completing == {1, 2}
+    one = {0: reports[0], 1: both[1], 2: reports[2]}  # one replica caught earlier: the stage reduces again
+    assert not decide(one, plan, workers).committed
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        decide({0: _report(0, own0, [], stepped=3), 1: _report(1, own0, [], stepped=5)}, plan, workers)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_repairs_with_committed_stages_match_every_send_with_a_receive(seed: int) -> None:
+    rng = random.Random(seed)
+    plan = _plan([(1, 1)] if seed % 2 else [(0, 0)], "adaptive", stages=4)
+    workers = WorkerMap.dense(4, 2, frozenset(plan.failed))
+    committed = frozenset(s for s in range(4) if rng.random() < 0.4) - {rng.randrange(4)}
+    w_done = {s: frozenset(mb for mb in ALL if rng.random() < 0.5) for s in range(4) if s not in committed}
+    base = Repair(4, w_done, committed)
+    sources = {}
+    for grad, stage, mb in base.needed_from_logs(ALL):  # a holder on the sending stage, or the receiver itself
+        sender = plan.worker_of(stage + 1 if grad else stage - 1, mb)
+        sources[(grad, stage, mb)] = workers.rank_of(sender if rng.random() < 0.5 else plan.worker_of(stage, mb))
+    sends, recvs = _messages(plan, Repair(4, w_done, committed, sources))
+    local = {(g, src, dst, mb) for (g, src, dst, mb) in recvs if src == dst}
+    assert sends == recvs - Counter(local)
+    assert all(n == 1 for n in recvs.values())

@@ -1,0 +1,94 @@
+"""The boundary log: the tensors a worker sent and received at its stage boundaries, until they are final.
+
+A stage steps as soon as its own gradients are complete (the staggered optimizer step), so when a worker
+fails, some stages may have stepped the interrupted iteration and others not. A stage that stepped cannot
+run its forward or backward of that iteration again (its parameters moved on), yet a survivor of a
+neighbouring stage that has not stepped may need what it sent: the activation a failed worker received
+from it, the gradient it sent a failed worker. Rather than keep copies of the model state to roll stages
+back, every worker keeps *references* to its boundary tensors (no copy: the sent activation is the stage
+output, the sent gradient is the fresh input gradient, a received tensor is the buffer it arrived in):
+
+=============  ========================================================================================
+``sent``       activations sent to the next stage, input gradients sent to the previous stage
+``received``   activations received from the previous stage, output gradients from the next stage
+=============  ========================================================================================
+
+Entries of iteration ``k`` are dropped when the worker starts iteration ``k + 2``: by then every stage has
+stepped ``k`` (a stage starts ``k + 2`` only after the first stage's step of ``k + 1``, which needs every
+stage's input gradients of ``k + 1``, which every stage computes only after its step of ``k``). So the log
+holds at most two iterations: ``4 x M x`` (boundary tensor) per iteration on an interior stage, the order of
+the activations a stage holds anyway, in host memory.
+
+Sends of an iteration complete before the stage steps (``WaitSends`` precedes
+``StaggeredOptimizerStep``), so whatever a stepped worker sent, its receiver holds: a tensor is lost only
+when its sender and its receiver both fail in the same window (then the job falls back to its checkpoint).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+
+import torch
+
+from ds_recycle.engine.instructions import MicroBatch
+from ds_recycle.engine.p2p import Channel, Payload
+
+__all__ = ["BoundaryLog", "LogKey", "Role"]
+
+
+class Role(enum.Enum):
+    """Which end of the transfer this worker was."""
+
+    SENT = "sent"
+    RECEIVED = "received"
+
+
+LogKey = tuple[int, Channel, Role, MicroBatch]
+"""``(iteration, channel, role, micro-batch)``."""
+
+
+def _nbytes(payload: Payload) -> int:
+    tensors = (payload,) if isinstance(payload, torch.Tensor) else payload
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class BoundaryLog:
+    """References to one worker's boundary tensors of the iterations not yet final everywhere."""
+
+    def __init__(self) -> None:
+        self._entries: dict[LogKey, Payload] = {}
+        self.peak_bytes = 0
+        """The most bytes the log has referenced at once (tensors it keeps alive, not copies)."""
+
+    def record(self, iteration: int, channel: Channel, role: Role, mb: MicroBatch, payload: Payload) -> None:
+        self._entries[(iteration, channel, role, (mb[0], mb[1]))] = payload
+
+    def get(self, iteration: int, channel: Channel, role: Role, mb: MicroBatch) -> Payload:
+        try:
+            return self._entries[(iteration, channel, role, (mb[0], mb[1]))]
+        except KeyError:
+            raise RuntimeError(f"the boundary log holds no {role.value} {channel.name.lower()} of micro-batch {mb} "
+                               f"of iteration {iteration}") from None
+
+    def held(self, iteration: int) -> Iterator[tuple[Channel, Role, MicroBatch]]:
+        """What the log holds of ``iteration``."""
+        for (k, channel, role, mb) in self._entries:
+            if k == iteration:
+                yield channel, role, mb
+
+    def begin(self, iteration: int) -> None:
+        """A new iteration starts: forget what every stage has stepped already (``< iteration - 1``)."""
+        size = self.nbytes()
+        self.peak_bytes = max(self.peak_bytes, size)
+        self._entries = {key: v for key, v in self._entries.items() if key[0] >= iteration - 1}
+
+    def discard_from(self, iteration: int) -> None:
+        """Forget ``iteration`` and later ones (work that is thrown away and done again)."""
+        self._entries = {key: v for key, v in self._entries.items() if key[0] < iteration}
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors referenced now (shared storage counted once per entry)."""
+        return sum(_nbytes(v) for v in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
