@@ -351,7 +351,7 @@ class ResilientRunner:
         completing = self.rank in decision.repair.completing  # it holds the reduced gradients: only the step is left
         if not completing:
             eng.stepper.revert()  # a reduction whose step was not taken is undone (its rows were kept)
-        rows, loss_sum, progress = eng.stepper.partial_rows(), eng._loss_sum, eng.progress
+        rows, loss_sum, progress, was_at = eng.stepper.partial_rows(), eng._loss_sum, eng.progress, eng.iteration
         self._install(comm, workers, plan)
         self._event("plan_switch", absent=sorted(list(w) for w in workers.absent()), rerouted=self.rerouted)
         moved = self._roll_forward(decision, reports)
@@ -366,7 +366,7 @@ class ResilientRunner:
         if not completing:
             eng.stepper.adopt_rows(rows)
         eng._loss_sum, eng.progress, eng.repair = loss_sum, progress, decision.repair
-        if eng.iteration < k:  # it stepped k - 1 but was still waiting for that iteration's loss: nobody re-sends it
+        if was_at < k:  # it stepped k - 1 but was still waiting for that iteration's loss: nobody re-sends it
             eng.loss = eng.agg_train_loss = torch.full((), float("nan"))
         eng.iteration = k
         restored = time.time()
