@@ -8,7 +8,7 @@ that no destructor waits on a blocked gloo thread).
 
 Every wait is :func:`bounded_wait`: it blocks until the operation completes, the worker's watchdog
 (:mod:`ds_recycle.resilience.watchdog`) declares a member exited or hung, or the deadline passes; the last
-two raise :class:`PeerFailure` (within milliseconds of a launcher's exit report, within
+two raise :class:`PeerFailure` (within about a millisecond of a launcher's exit report, within
 ``heartbeat_stale_s`` of a hung member's last heartbeat).
 """
 from __future__ import annotations
@@ -52,7 +52,8 @@ class Work(Protocol):
 class FailureProbe:
     """Answers "has a member of the current epoch exited?" from the launcher's exit keys.
 
-    The exit counter is read on every check (one cheap store round trip); only when it moved are the
+    With a :attr:`watchdog` that has looked at the epoch's members, the answer is its flag (no store call).
+    Otherwise the exit counter is read on every check (one cheap store round trip); only when it moved are the
     members' exit keys looked at, so the exit of a rank that is already out of the membership (or a
     report that arrives after this rank noticed the failure by itself) is not mistaken for a new failure.
     """
