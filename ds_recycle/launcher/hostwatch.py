@@ -136,7 +136,7 @@ class NodeWatch:
             if store.compare_set(key, "", str(LOST_EXIT_CODE)).decode() == str(LOST_EXIT_CODE):
                 marked.append(rank)
         if marked:
-            store.add(keys.EXITS_KEY, 1)
+            keys.publish_exit_count(store, self.layout.world_size)
         reason = f"no heartbeat for {silent_s:.1f} s (host lost or cut off)"
         store.set(node_lost_key(k), reason)
         self.lost.add(k)

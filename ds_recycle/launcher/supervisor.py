@@ -269,7 +269,7 @@ class Supervisor:
             return  # fenced: the node watch writes this node's exits (a store call would block while cut off)
         try:
             self.store.set(keys.exit_key(exit.rank), str(exit.returncode))
-            self.store.add(keys.EXITS_KEY, 1)
+            keys.publish_exit_count(self.store, self.job.layout.world_size)
         except (RuntimeError, OSError) as err:  # a remote node whose store (node 0) is gone
             logger.error("could not record the exit of rank %d in the store: %s", exit.rank, err)
 

@@ -8,7 +8,7 @@ that no destructor waits on a blocked gloo thread).
 
 Every wait is :func:`bounded_wait`: it blocks until the operation completes, the worker's watchdog
 (:mod:`ds_recycle.resilience.watchdog`) declares a member exited or hung, or the deadline passes; the last
-two raise :class:`PeerFailure` (within milliseconds of a launcher's exit report, within
+two raise :class:`PeerFailure` (within about a millisecond of a launcher's exit report, within
 ``heartbeat_stale_s`` of a hung member's last heartbeat).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -51,7 +52,8 @@ class Work(Protocol):
 class FailureProbe:
     """Answers "has a member of the current epoch exited?" from the launcher's exit keys.
 
-    The exit counter is read on every check (one cheap store round trip); only when it moved are the
+    With a :attr:`watchdog` that has looked at the epoch's members, the answer is its flag (no store call).
+    Otherwise the exit counter is read on every check (one cheap store round trip); only when it moved are the
     members' exit keys looked at, so the exit of a rank that is already out of the membership (or a
     report that arrives after this rank noticed the failure by itself) is not mistaken for a new failure.
     """
@@ -74,8 +76,12 @@ class FailureProbe:
         return self
 
     def failed(self) -> bool:
-        if self.watchdog is not None and self.watchdog.tripped():
-            return True
+        """With a watchdog that has looked at this epoch's members already: its flag only (no store call)."""
+        if self.watchdog is not None:
+            if self.watchdog.tripped():
+                return True
+            if self.watchdog.current():
+                return False
         count = int(self.store.add(self.keys.exits, 0))
         if count == self._count:
             return False
@@ -84,33 +90,93 @@ class FailureProbe:
                    for r, n in self.incarnations.items())
 
 
-class ThreadedWork:
-    """Any gloo work made waitable on an event: a daemon thread blocks in its ``wait()``.
+class _Waiter:
+    """One daemon thread that calls ``wait()`` on the point-to-point works handed to it, one after the other.
 
-    Gloo's point-to-point works report ``is_completed() == False`` until someone calls ``wait()``, and a
-    ``wait(timeout)`` that expires closes the connection, so they cannot be waited for with a deadline from the
-    training thread. If the peer is stuck for good, the thread stays blocked inside the abandoned group until
-    the group's own timeout.
+    It lives as long as no wait on it is abandoned: a work whose peer died may block it until the group's own
+    timeout, so :func:`bounded_wait` retires a waiter it gives up on, and the next work gets a new one.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[ThreadedWork] = deque()
+        threading.Thread(target=self._run, name="gloo-wait", daemon=True).start()
+
+    def submit(self, handle: ThreadedWork) -> None:
+        with self._cond:
+            self._queue.append(handle)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                handle = self._queue.popleft()
+            handle._wait_inner()
+
+
+_waiter_lock = threading.Lock()
+_waiter: _Waiter | None = None
+
+
+def _current_waiter() -> _Waiter:
+    global _waiter
+    with _waiter_lock:
+        if _waiter is None:
+            _waiter = _Waiter()
+        return _waiter
+
+
+def _retire_waiter(waiter: _Waiter | None) -> None:
+    global _waiter
+    with _waiter_lock:
+        if waiter is not None and _waiter is waiter:
+            _waiter = None
+
+
+class ThreadedWork:
+    """Any gloo work made waitable on an event, without a thread of its own.
+
+    Gloo's point-to-point works report ``is_completed() == False`` until someone calls ``wait()``, a
+    ``wait(timeout)`` that expires closes the connection, and they have no future; so they cannot be waited
+    for with a deadline from the training thread. They are handed to the process's long-lived waiter thread
+    (:class:`_Waiter`), which blocks in their ``wait()`` one after the other (the training thread waits for
+    them in the order it wraps them). Collectives complete a future: its callback sets the event, no thread
+    involved. If a peer is stuck for good, the waiter stays blocked inside the abandoned group until the
+    group's own timeout, and is retired (see :func:`bounded_wait`).
     """
 
     def __init__(self, work: Work) -> None:
+        self._work = work
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._waiters: list[threading.Event] = []
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(work,), name="gloo-wait", daemon=True).start()
-
-    def _run(self, work: Work) -> None:
+        self.waiter: _Waiter | None = None
+        """The thread waiting for it (None: a collective whose future tells)."""
         try:
-            work.wait()
+            future = work.get_future()  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):  # point-to-point: "getFuture not implemented"
+            self.waiter = _current_waiter()
+            self.waiter.submit(self)
+        else:
+            future.add_done_callback(lambda _: self._complete())
+
+    def _wait_inner(self) -> None:
+        try:
+            self._work.wait()
         except BaseException as e:  # reported to the waiting thread by wait()
             self._error = e
         finally:
-            with self._lock:
-                self._done.set()
-                waiters = list(self._waiters)
-            for event in waiters:
-                event.set()
+            self._complete()
+
+    def _complete(self) -> None:
+        with self._lock:
+            self._done.set()
+            waiters = list(self._waiters)
+        for event in waiters:
+            event.set()
 
     def notify(self, event: threading.Event) -> None:
         """Set ``event`` when the work completes (at once if it has)."""
@@ -126,6 +192,8 @@ class ThreadedWork:
         self._done.wait()
         if self._error is not None:
             raise RuntimeError(str(self._error)) from self._error
+        if self.waiter is None:
+            self._work.wait()  # completed: returns at once, or raises the collective's error
         return True
 
 
@@ -133,9 +201,10 @@ def bounded_wait(work: Work, probe: FailureProbe | None, timeout_s: float, what:
                  poll_s: float = 0.01) -> None:
     """Wait for ``work``; raise :class:`PeerFailure` on a member's failure or after ``timeout_s``.
 
-    The waiting thread blocks on an event set by the work's completion or, when ``probe`` has a
-    :class:`~ds_recycle.resilience.watchdog.Watchdog`, by its trip (a member exited or hung). Without a
-    watchdog it wakes every ``poll_s`` to read the probe.
+    The waiting thread sleeps on an event set by the work's completion (see :class:`ThreadedWork`) or, when
+    ``probe`` has a :class:`~ds_recycle.resilience.watchdog.Watchdog`, by its trip (a member exited or hung);
+    the probe then costs no store call. Without a watchdog it wakes every ``poll_s`` to read the probe.
+    Only the training thread waits this way (the works it wraps are waited for in order).
     """
     if work.is_completed():
         _finish(work, what)
@@ -145,15 +214,22 @@ def bounded_wait(work: Work, probe: FailureProbe | None, timeout_s: float, what:
     watchdog = probe.watchdog if probe is not None else None
     wake = threading.Event()
     threaded.notify(wake)
-    with watchdog.waking(wake) if watchdog is not None else contextlib.nullcontext():
-        while not threaded.is_completed():
-            if probe is not None and probe.failed():
-                reason = watchdog.declared.reason if watchdog is not None and watchdog.declared else "a worker exited"
-                raise PeerFailure(f"{what}: {reason} while waiting")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PeerFailure(f"{what}: no completion within {timeout_s} s (raise the timeout if peers are slow)")
-            wake.wait(remaining if watchdog is not None else min(remaining, poll_s))
+    try:
+        with watchdog.waking(wake) if watchdog is not None else contextlib.nullcontext():
+            while not threaded.is_completed():
+                if probe is not None and probe.failed():
+                    reason = (watchdog.declared.reason if watchdog is not None and watchdog.declared
+                              else "a worker exited")
+                    raise PeerFailure(f"{what}: {reason} while waiting")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PeerFailure(f"{what}: no completion within {timeout_s} s "
+                                      "(raise the timeout if peers are slow)")
+                wake.wait(remaining if watchdog is not None else min(remaining, poll_s))
+    except PeerFailure:
+        if not threaded.is_completed():
+            _retire_waiter(threaded.waiter)  # it may stay blocked in the dead group: later works get a new one
+        raise
     _finish(threaded, what)
 
 

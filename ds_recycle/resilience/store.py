@@ -1,11 +1,12 @@
 """The launcher's store: how a worker reaches it, and every key ds_recycle keeps there.
 
-Key layout (all under ``ds_recycle/``; the launcher writes the first two, see
+Key layout (all under ``ds_recycle/``; the launcher writes the first three, see
 :mod:`ds_recycle.runtime.job_store`, which owns their names; workers write the rest):
 
 =====================================  =========================================================
 ``ds_recycle/exit/<rank>``             the worker's exit status, written by its launcher at death
 ``ds_recycle/exits``                   counter, incremented at each worker exit (cheap to poll)
+``ds_recycle/exit_queue/<rank>``       queue of exit counts, one push per exit (the rank's watchdog pops it)
 ``ds_recycle/hb/<rank>``               heartbeat counter, incremented by the worker every period
 ``ds_recycle/epoch/<e>/alive/<rank>``  the worker reached agreement round ``e``
 ``ds_recycle/epoch/<e>/members``       the agreed live ranks of round ``e`` (first writer wins)
@@ -41,6 +42,9 @@ class StoreKeys:
     @property
     def exits(self) -> str:
         return launcher_store.EXITS_KEY
+
+    def exit_queue(self, rank: int) -> str:
+        return launcher_store.exit_queue_key(rank)
 
     def heartbeat(self, rank: int) -> str:
         return f"{self.root}/hb/{rank}"

@@ -3,33 +3,44 @@
 A crashed worker is reported by its launcher (``ds_recycle/exit/<rank>`` and the ``exits`` counter); a
 *hung* one (SIGSTOP, a wedged device call, a driver stuck in the kernel) is not: its process is alive, its
 sockets are open, and every peer blocked in a send, receive or collective with it would wait for the group's
-timeout (``recycle.failure_timeout_s``). The watchdog is one daemon thread per worker, on its own store
-client, that:
+timeout (``recycle.failure_timeout_s``). The watchdog is two daemon threads per worker, each on its own
+store client:
 
-* reads the exit counter every ``exit_poll_s`` (one store round trip) and, when it moved, looks at the
-  members' exit keys and restart counts (the same test as
-  :class:`~ds_recycle.resilience.comm.FailureProbe`);
-* reads every other member's heartbeat counter every ``heartbeat_poll_s``; a counter that has not moved for
+* the exit waiter blocks in ``queue_pop`` on this rank's ``ds_recycle/exit_queue/<rank>``, onto which the
+  launchers push at every exit (:func:`~ds_recycle.runtime.job_store.publish_exit_count`), so it wakes the
+  moment a worker's exit is reported; it then reads the exit counter and, when it moved, looks at the members'
+  exit keys and restart counts (the same test as :class:`~ds_recycle.resilience.comm.FailureProbe`).
+  :meth:`Watchdog.stop` (also run at interpreter exit) pushes a stop item to wake and join it: a thread left
+  blocked in the store while the interpreter shuts down would abort the process when woken;
+* the timer reads every other member's heartbeat counter every ``heartbeat_poll_s``; a counter that has not
+  moved for
   ``stale_after_s`` (``recycle.heartbeat_stale_s``) of this thread's monotonic clock declares that member
   *hung*: the watchdog asks the member's launcher to fence it (``ds_recycle/fence/<rank>``, see
-  :mod:`ds_recycle.launcher.fencing`: SIGKILL, then reported like any other death), and trips.
+  :mod:`ds_recycle.launcher.fencing`: SIGKILL, then reported like any other death), and trips. The timer
+  also reads the exit counter (for an exit counted without its ``exited`` key, and for the members of a
+  watch armed while the exit waiter was asleep).
+
+The training thread reads only the watchdog's flags (:meth:`Watchdog.tripped`, :meth:`Watchdog.current`):
+no store call per instruction or wait once the watch of the epoch has been checked.
 
 Tripping sets every event registered with :meth:`Watchdog.waking`, so a wait blocked on such an event (see
 :func:`~ds_recycle.resilience.comm.bounded_wait`) returns at once and raises
 :class:`~ds_recycle.resilience.comm.PeerFailure`. Nothing busy-polls: the training thread blocks on an
-event, the watchdog sleeps between its reads.
+event, the exit waiter blocks on the store, the timer sleeps between its reads.
 
 A member stopped for less than ``stale_after_s`` and then resumed is declared nothing: its heartbeat thread
 resumes with it and its counter moves again.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -40,6 +51,10 @@ from ds_recycle.runtime import job_store as launcher_store
 __all__ = ["Declaration", "Watchdog", "run_guarded", "watch_members"]
 
 logger = logging.getLogger(__name__)
+
+EXIT_WAIT_S = 3600.0
+"""How long one ``queue_pop`` of the exit waiter lasts before it is renewed (torch logs each expiry)."""
+_STOP_ITEM = "stop"
 
 
 @dataclass(frozen=True)
@@ -58,20 +73,20 @@ class Watchdog:
     """Watches the members of the current epoch from a daemon thread (see the module docstring)."""
 
     def __init__(self, store_factory: Callable[[], dist.Store], rank: int, stale_after_s: float,
-                 keys: StoreKeys = StoreKeys(), exit_poll_s: float = 0.01, heartbeat_poll_s: float = 0.25) -> None:
+                 keys: StoreKeys = StoreKeys(), heartbeat_poll_s: float = 0.25) -> None:
         self._store = store_factory()  # its own connection: the training thread's client is not thread-safe
+        self._exit_store = store_factory()  # the exit waiter's, blocked in queue_pop most of the time
+        self._exit_store.set_timeout(timedelta(seconds=EXIT_WAIT_S))
         self.rank = rank
         self.stale_after_s = stale_after_s
         self.keys = keys
-        self.exit_poll_s = exit_poll_s
         self.heartbeat_poll_s = heartbeat_poll_s
         self._lock = threading.Lock()
         self._members: tuple[int, ...] = ()
         self._incarnations: dict[int, int] = {}
         self._epoch = 0
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
-        self._exits_seen = -1
-        self._next_heartbeat_check = 0.0
+        self._checked = 0  # the latest watch (epoch) whose members' exit keys a thread has looked at
         self._waiters: set[threading.Event] = set()
         self.declared: Declaration | None = None
         """Why the current epoch's watch tripped (None: it has not)."""
@@ -79,15 +94,25 @@ class Watchdog:
         """Ranks declared hung (and fenced) since the watch was last armed."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watchdog-{rank}", daemon=True)
+        self._exit_thread = threading.Thread(target=self._wait_exits, name=f"watchdog-exits-{rank}", daemon=True)
 
     # ---------------------------------------------------------------------------------------- training thread
     def start(self) -> Watchdog:
         self._thread.start()
+        self._exit_thread.start()
+        atexit.register(self.stop)
         return self
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
-        self._thread.join(timeout=2 * self.heartbeat_poll_s + 1)
+        self._thread.join(timeout=2 * self.heartbeat_poll_s + 1)  # then its store client is free to wake the waiter
+        if self._exit_thread.is_alive():
+            with contextlib.suppress(Exception):  # the store is gone: so is whatever the waiter was blocked on
+                self._store.queue_push(self.keys.exit_queue(self.rank), _STOP_ITEM)
+            self._exit_thread.join(timeout=2.0)
+        atexit.unregister(self.stop)
 
     def arm(self, members: Sequence[int], incarnations: dict[int, int]) -> None:
         """Watch ``members`` (each at its restart count in ``incarnations``) from now on; clears a trip."""
@@ -95,13 +120,16 @@ class Watchdog:
             self._epoch += 1
             self._members = tuple(sorted(members))
             self._incarnations = dict(incarnations)
-            self._exits_seen = -1
             self._seen = {r: v for r, v in self._seen.items() if r in self._members}
             self.declared = None
             self.hung = set()
 
     def tripped(self) -> bool:
         return self.declared is not None
+
+    def current(self) -> bool:
+        """The members of the latest :meth:`arm` have been looked at since: :meth:`tripped` tells all."""
+        return self._checked == self._epoch
 
     @contextlib.contextmanager
     def waking(self, event: threading.Event) -> Iterator[None]:
@@ -118,34 +146,60 @@ class Watchdog:
 
     # ---------------------------------------------------------------------------------------- watcher thread
     def _run(self) -> None:
-        while not self._stop.wait(self.exit_poll_s):
+        exits_seen, checked_epoch = -1, 0
+        while True:
             try:
-                self._check()
+                exits_seen, checked_epoch = self._check(self._store, exits_seen, checked_epoch)
+                if self.declared is None:
+                    with self._lock:
+                        epoch, members, incarnations = self._epoch, self._members, dict(self._incarnations)
+                    if members and epoch == checked_epoch:
+                        found = self._stale(members, incarnations, time.monotonic())
+                        if found is not None:
+                            self._trip(epoch, found)
             except Exception:  # the store is gone: the job is over, nothing left to watch
                 logger.debug("watchdog stopped: store unreachable")
                 return
+            if self._stop.wait(self.heartbeat_poll_s):
+                return
 
-    def _check(self) -> None:
+    def _wait_exits(self) -> None:
+        store, exits_seen, checked_epoch = self._exit_store, -1, 0
+        queue = self.keys.exit_queue(self.rank)
+        while not self._stop.is_set():
+            try:
+                exits_seen, checked_epoch = self._check(store, exits_seen, checked_epoch)
+                store.queue_pop(queue)  # an exit count, or the stop item (a stale one of a past process is harmless)
+            except dist.DistStoreError:  # no exit for EXIT_WAIT_S: wait again
+                continue
+            except Exception as e:
+                logger.debug("watchdog exit waiter stopped: %s", e)  # the store is gone: the job is over
+                return
+
+    def _check(self, store: dist.Store, exits_seen: int, checked_epoch: int) -> tuple[int, int]:
+        """Look at the members' exit keys if the exit counter moved or the watch was re-armed since ``checked_epoch``.
+
+        Returns the counter read and the watch it was checked against.
+        """
         with self._lock:
             epoch, members, incarnations = self._epoch, self._members, dict(self._incarnations)
-        if self.declared is not None or not members:
-            return
-        found = self._exited(members, incarnations)
-        now = time.monotonic()
-        if found is None and now >= self._next_heartbeat_check:
-            self._next_heartbeat_check = now + self.heartbeat_poll_s
-            found = self._stale(members, incarnations, now)
-        if found is not None:
-            self._trip(epoch, found)
+        count = int(store.add(self.keys.exits, 0))
+        if count == exits_seen and epoch == checked_epoch:
+            return count, epoch
+        if self.declared is None and members:
+            found = self._exited(store, members, incarnations)
+            if found is not None:
+                self._trip(epoch, found)
+        with self._lock:
+            if self._epoch == epoch and self._checked != epoch:
+                self._checked = epoch
+        return count, epoch
 
-    def _exited(self, members: tuple[int, ...], incarnations: dict[int, int]) -> Declaration | None:
-        count = int(self._store.add(self.keys.exits, 0))
-        if count == self._exits_seen:
-            return None
-        self._exits_seen = count
+    def _exited(self, store: dist.Store, members: tuple[int, ...],
+                incarnations: dict[int, int]) -> Declaration | None:
         for r in members:
-            if r in incarnations and (self._store.check([self.keys.exit(r)])
-                                      or incarnation(self._store, self.keys, r) != incarnations[r]):
+            if r in incarnations and (store.check([self.keys.exit(r)])
+                                      or incarnation(store, self.keys, r) != incarnations[r]):
                 return Declaration(r, False, f"rank {r} exited (its launcher reported it)", time.time())
         return None
 
@@ -232,4 +286,5 @@ def watch_members(watchdog: Watchdog, store: dist.Store, keys: StoreKeys, member
     """
     counts = {r: (known or {}).get(r, incarnation(store, keys, r)) for r in members}
     watchdog.arm(members, counts)
+    store.queue_push(keys.exit_queue(watchdog.rank), "arm")  # the exit waiter looks at the new members at once
     return counts

@@ -11,6 +11,9 @@ Keys the launchers write (the failure handler of the workers reads them; all val
                                     when the rank is restarted, so the key exists iff the rank's process is gone.
 ``ds_recycle/exits``                counter (``store.add``) of exits so far, over all ranks and restarts; a worker
                                     can poll it cheaply and read the ``exit/<rank>`` keys when it changes.
+``ds_recycle/exit_queue/<r>``       a queue (``queue_push``/``queue_pop``): at each exit the launcher pushes the
+                                    new count onto every rank's queue, so a worker blocks in ``queue_pop`` on
+                                    its own instead of polling the counter (see :func:`publish_exit_count`).
 ``ds_recycle/restarted/<r>``        ``"<n>"``: rank r was started again for the n-th time (written just before).
 ``ds_recycle/node/<k>``             host name of node k's launcher, written when it has connected (nodes > 0).
 ``ds_recycle/stop``                 reason text: a launcher is stopping the whole job. Every launcher polls it
@@ -54,8 +57,8 @@ if TYPE_CHECKING:  # torch is imported only when a store is opened, so the key n
     from torch.distributed import Store, TCPStore
 
 __all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "RESTART_ALL_KEY", "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY",
-           "connect_store", "exit_key",
-           "fence_key", "host_store", "node_key", "read_int", "restart_request_key", "restart_result_key", "restarted_key"]
+           "connect_store", "exit_key", "exit_queue_key", "fence_key", "host_store", "node_key", "publish_exit_count",
+           "read_int", "restart_request_key", "restart_result_key", "restarted_key"]
 
 EXITS_KEY = "ds_recycle/exits"
 STOP_KEY = "ds_recycle/stop"
@@ -67,6 +70,23 @@ RESTART_ALL_KEY = "ds_recycle/restart_all"
 
 def exit_key(rank: int) -> str:
     return f"ds_recycle/exit/{rank}"
+
+
+def exit_queue_key(rank: int) -> str:
+    """Rank ``rank``'s queue of exit counts (its watchdog pops it; see :func:`publish_exit_count`)."""
+    return f"ds_recycle/exit_queue/{rank}"
+
+
+def publish_exit_count(store: Store, world_size: int) -> int:
+    """Count one more exit (its ``exit/<rank>`` keys written already) and wake every rank's watchdog.
+
+    Returns the new count. Each rank's queue gets one item per exit: a rank that is not there to pop them finds
+    at most that many stale items, each costing its watchdog one read of the counter.
+    """
+    count = int(store.add(EXITS_KEY, 1))
+    for rank in range(world_size):
+        store.queue_push(exit_queue_key(rank), str(count))
+    return count
 
 
 def fence_key(rank: int) -> str:
