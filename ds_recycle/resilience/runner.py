@@ -94,6 +94,9 @@ class ResilientRunner:
         self.rerouted = rerouted_microbatches(engine.plan)
         self._finished = False
         self._loss_work: Any = None
+        self._loss_message: tuple[torch.Tensor, torch.Tensor] = (torch.zeros(2), torch.zeros(()))
+        self._join_count: int | None = None
+        """Join requests filed so far, as the last loss broadcast of this epoch told every member (None: none yet)."""
         self.rank = engine.global_rank
         self.store = connect_store(timeout_s=rc.failure_timeout_s)
         self.generation = int(self.store.add(ckpt.GENERATION_KEY, 0))
@@ -194,6 +197,7 @@ class ResilientRunner:
             eng.reporter_rank = min(last)
         eng.drop_slots()
         eng._loss_sum = None
+        self._join_count = None  # a new epoch: the count comes with its first loss broadcast
         self.rerouted = sum(plan.worker_of(s, (d, i))[0] != d for s in range(plan.stages)
                             for d in range(plan.pipelines) for i in range(plan.microbatches))
 
@@ -254,16 +258,27 @@ class ResilientRunner:
         return self.engine.loss
 
     def _broadcast_loss(self, tensor: torch.Tensor, src: int) -> Any:
+        """The loss from ``src`` to every member, with the job's count of join requests riding along (so that
+        every member sees the same count at the next boundary without a collective of its own)."""
         previous, self._loss_work = self._loss_work, None
         if previous is not None and previous[0] is self.comm:  # one of a past epoch was retired with its groups
             self.comm.wait(previous[1], "loss broadcast")
-        work = self.comm.norm.broadcast(tensor, src)
+        message = torch.zeros(2, dtype=torch.float64)
+        if self.rank == src:
+            message[0] = tensor.double()
+            message[1] = float(self.store.add(self.keys.join_requests, 0))
+            self._join_count = int(message[1])
+        work = self.comm.norm.broadcast(message, src)
         if self.rank == src:
             self._loss_work = (self.comm, work)
+        self._loss_message = (message, tensor)
         return work
 
     def _wait_loss(self, work: Any) -> None:
         self.comm.wait(work, "loss broadcast")
+        message, tensor = self._loss_message
+        tensor.copy_(message[0].to(tensor.dtype))
+        self._join_count = int(message[1])
 
     def evaluate(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``run()`` (an evaluation pass) through failures: recover, bring training back to where it was, run again."""
@@ -449,12 +464,10 @@ class ResilientRunner:
         fixed for the members that made it; joiners come in at the next boundary.
         """
         boundary = self.engine.iteration
-        if self._join_checked == boundary or self.engine.repair is not None:
-            return
+        if self._join_checked == boundary or self.engine.repair is not None or self._join_count is None:
+            return  # (no count yet in this epoch: the next iteration's loss broadcast brings one)
         self._join_checked = boundary
-        filed = torch.tensor([int(self.store.add(self.keys.join_requests, 0))], dtype=torch.int64)
-        self.comm.wait(self.comm.norm.all_reduce_max(filed), "join check")  # one count for every member
-        upto = int(filed.item())
+        upto = self._join_count  # the same on every member: it came with the last iteration's loss
         if upto <= self.joins_decided:
             return
         started = time.time()
