@@ -11,8 +11,8 @@ with other jobs does not inflate), through the engine's own code paths:
 - B: :func:`ds_recycle.engine.backward.backward_input` (input gradients only);
 - W: the per-module weight-gradient passes B left behind;
 - fused: DeepSpeed's single ``backward`` of the stage (for the B + W overhead figure);
-- O: the optimizer step (Adam/AdamW/SGD from the config) over the stage's parameters, plus a copy of the
-  parameters and optimizer state (what post-validation keeps); the all-reduce is in ``comm_allreduce``;
+- O: the optimizer step (Adam/AdamW/SGD from the config) over the stage's parameters (nothing is copied:
+  the step waits for the clipping norm instead of being redone); the all-reduce is in ``comm_allreduce``;
 - comm: one activation sent between two gloo processes on this host (half a round trip).
 
 Writes the planner's cost-profile file (``F, B, W, O`` lists and ``comm``, in milliseconds, plus extra keys
@@ -22,7 +22,6 @@ per-repeat ratios (B + W and fused run interleaved) and the best case (fastest B
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -121,12 +120,7 @@ def profile_stage(stage: int, stages: int, tcfg, repeats: int) -> dict[str, floa
     for p in module.parameters():
         p.grad = torch.randn_like(p)
 
-    def step() -> None:
-        snapshot = ([p.detach().clone() for p in module.parameters()], copy.deepcopy(optimizer.state_dict()))
-        optimizer.step()
-        del snapshot
-
-    o = _median_ms(step, repeats)
+    o = _median_ms(optimizer.step, repeats)
     return {"F": f, "B": statistics.median(b for b, _ in bw), "W": statistics.median(w for _, w in bw),
             "fused_backward": statistics.median(fused_ms), "O": o,
             "bw_over_fused": statistics.median((b + w) / fu for (b, w), fu in zip(bw, fused_ms)),

@@ -8,9 +8,9 @@ The protocol, over the launcher's store (keys under the generation's root, see
    ``join/request/<n> = "<rank> <restart count>"`` (the members watch that very process while they admit it:
    if it dies at any step of its admission, or was restarted again meanwhile, the admission is an ordinary
    failure, the members go on without it and its next process may file again).
-2. The members look at the request counter at every iteration boundary (after the previous optimizer step
-   is final) and take its maximum over the epoch's norm group, so every member sees the same count at the
-   same boundary, whatever its local store reading. When it grew, requests up to that count are admitted:
+2. The reporting rank reads the request counter as it broadcasts each iteration's loss, and the count rides
+   on that broadcast (:meth:`~ds_recycle.resilience.runner.ResilientRunner._broadcast_loss`), so every member
+   sees the same count at the next boundary. When it grew, requests up to that count are admitted:
    the lowest member writes a :class:`JoinTicket` under ``join/ticket/<n>`` for each (the new epoch, its
    members, the boundary iteration), and everyone, joiners included, builds the new epoch's groups.
 3. In each stage that gains a worker, the lowest surviving replica broadcasts its state (parameters,
