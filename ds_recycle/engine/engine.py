@@ -37,6 +37,7 @@ from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input, grad_buffers
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel
+from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.rng import micro_batch_rng
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.state import gather_state_dict
@@ -140,7 +141,11 @@ class RecyclePipelineEngine(PipelineEngine):
         self.data = data
         self.synchronous = plan.optimizer == "synchronous"
         self._schedules = [self._make_schedule(k) for k in range(plan.iterations)]
+        if self.bfloat16_enabled():  # DeepSpeed's BF16_Optimizer clips by the norm over every stage
+            clip_scope = ClipScope.WHOLE_MODEL
         self.capture = OwnerCapture(self.module)
+        if self.module.activation_checkpoint_interval > 0:  # recomputed segments (ds_recycle.engine.recompute)
+            self.capture.per_owner = False
         served, stage_rerouted = served_pipelines(plan, self.worker)
         self.channel = PeerChannel(self.grid.p2p_group, self.workers.pipelines, self.micro_batches)
         self.stepper = StaggeredOptimizer(
@@ -186,6 +191,15 @@ class RecyclePipelineEngine(PipelineEngine):
         """The resolved job config (:class:`~ds_recycle.config.job.JobConfig`), set by ``ds_recycle.initialize``."""
         self.resilience: Any = None
         """The failure handler (:class:`~ds_recycle.resilience.runner.ResilientRunner`) under ``ds-recycle launch``."""
+
+    def _configure_bf16_optimizer(self, optimizer: Any) -> Any:
+        """bf16: the optimizer steps fp32 master weights, whole on every replica (:mod:`ds_recycle.engine.precision`).
+
+        Replaces DeepSpeed's ``BF16_Optimizer``, which partitions the masters over the data-parallel replicas.
+        """
+        if optimizer is None:
+            raise ValueError("bf16 needs an optimizer: pass optimizer= or add an \"optimizer\" block to the config")
+        return MasterWeightOptimizer(optimizer, [p for p in self.module.parameters() if p.requires_grad])
 
     def _tied_groups(self) -> Callable[[str, torch.Tensor], None]:
         groups: dict[str, Any] = {}
@@ -504,7 +518,8 @@ class RecyclePipelineEngine(PipelineEngine):
                     return
                 if slot.mb not in self.progress.loss_counted:  # a repaired iteration forwards some again
                     self.progress.loss_counted.add(slot.mb)
-                    self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
+                    value = loss.detach().float()  # summed in fp32 (a bf16 loss too)
+                    self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
                 out = loss / self.micro_batches
         slot.output, slot.captured = out, captured
 
@@ -577,7 +592,8 @@ class RecyclePipelineEngine(PipelineEngine):
         total = self.stepper.reduce(loss_sum)
         self.progress.stepping = True  # the stage's gradients are reduced: from here on the iteration is whole
         if self.tied:  # one gradient for every copy of a weight tied across stages
-            reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0], self.tied_transport)
+            reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0], self.tied_transport,
+                        holder=self.stepper.holder)
         self._loss_sum = None
         if total is not None and self.is_reporter():
             self._iteration_loss = total / (self.workers.pipelines * self.micro_batches)
