@@ -162,6 +162,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """``all_reduce(group name, tensor)`` over the live holders of a tied weight (the failure handler's bounded
         groups under ``ds-recycle launch``)."""
         self.iteration = 0
+        self._rerouted_cache: tuple[PlanLike, int] | None = None
         self.slots: dict[int, _Slot] = {}
         self._loss_sum: torch.Tensor | None = None
         self._iteration_loss: torch.Tensor | None = None
@@ -385,8 +386,13 @@ class RecyclePipelineEngine(PipelineEngine):
 
     @property
     def rerouted_microbatches(self) -> int:
-        """(stage, micro-batch) pairs of an iteration processed by a worker of another pipeline, in the current plan."""
-        return rerouted_microbatches(self.plan)
+        """(stage, micro-batch) pairs of an iteration processed by a worker of another pipeline, in the current plan.
+
+        Computed once per plan (the failure handler replaces ``self.plan`` when the membership changes)."""
+        cached = self._rerouted_cache
+        if cached is None or cached[0] is not self.plan:
+            cached = self._rerouted_cache = (self.plan, rerouted_microbatches(self.plan))
+        return cached[1]
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's final parameters by name (all stages) on the reporter; None on other ranks."""

@@ -130,7 +130,7 @@ def test_bf16_trains_with_a_falling_loss_as_vanilla_deepspeed(vanilla: VanillaRu
     pytest.param(1, (), STEPS, id="first-stage"),
     # the restarted worker takes the fp32 master weights with the optimizer state from a live peer (enough steps
     # for its restart and admission)
-    pytest.param(3, ("--restart_failed_after", "2"), 60, id="last-stage-rejoins"),
+    pytest.param(3, ("--restart_failed_after", "2"), 160, id="last-stage-rejoins"),
 ])
 def test_bf16_with_a_sigkill_ends_as_without(variant: Path, tmp_path: Path, victim: int,
                                              launcher_args: tuple[str, ...], steps: int) -> None:
