@@ -159,6 +159,53 @@ def test_fp16_is_refused_at_start_with_the_reason(variant: Path, tmp_path: Path)
     assert "Fix:" in run.log
 
 
+CHECKPOINTING = ("--activation-checkpoint-interval", "1")
+
+
+@pytest.fixture(scope="module")
+def vanilla_checkpointed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Vanilla DeepSpeed (its reentrant ``checkpointing.checkpoint``) on alexnet with activation_checkpoint_interval=1."""
+    with start_torchrun(USER_TRAIN, [*script_args("alexnet"), *CHECKPOINTING],
+                        tmp_path_factory.mktemp("vanilla-checkpointed")) as job:
+        run = job.result(RUN_TIMEOUT_S).check()
+    assert run.final is not None
+    return run.final
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("victim", [None, 3], ids=["failure-free", "last-stage-killed"])
+def test_activation_checkpointing_matches_vanilla(vanilla_checkpointed: Path, variant: Path, tmp_path: Path,
+                                                  victim: int | None) -> None:
+    """Checkpointed segments recomputed by the non-reentrant checkpoint under the B/W split: vanilla's model."""
+    args = [*script_args("alexnet"), *CHECKPOINTING]
+    with start_ds_recycle(variant, args, tmp_path, pythonpath=(BYOM,)) as job:
+        if victim is not None:
+            job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
+            job.kill_rank(victim)
+        run = job.result(2 * RUN_TIMEOUT_S).check()
+    assert len(run.losses()) == STEPS and (victim is None or "'failure'" in run.log), run.log[-3000:]
+    assert_same_final(run.final, vanilla_checkpointed)
+
+
+@pytest.mark.timeout(600)
+def test_recomputed_dropout_masks_are_the_forwards_with_a_failure(variant: Path, tmp_path: Path) -> None:
+    """The dropout MLP checkpointed every layer, with a SIGKILL, ends as the failure-free run without checkpointing.
+
+    Each recompute (in B and in W) restores the generator state the segment's forward started from, which is the
+    micro-batch's own: the masks, hence the model, do not depend on checkpointing, on re-routing or on who runs B/W.
+    """
+    with start_ds_recycle(variant, script_args("mlp"), tmp_path / "plain", pythonpath=(BYOM,)) as job:
+        plain = job.result(RUN_TIMEOUT_S).check()
+    with start_ds_recycle(variant, [*script_args("mlp"), *CHECKPOINTING], tmp_path / "killed",
+                          pythonpath=(BYOM,)) as job:
+        job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
+        job.kill_rank(1)
+        killed = job.result(2 * RUN_TIMEOUT_S).check()
+    assert "'failure'" in killed.log and len(killed.losses()) == STEPS, killed.log[-3000:]
+    assert killed.losses() == pytest.approx(plain.losses(), rel=1e-5)
+    assert_same_final(killed.final, plain.final)
+
+
 def _eval_losses(log: str) -> dict[int, float]:
     return {int(r): float(v) for r, v in re.findall(r"eval rank (\d+) loss (-?\d+\.\d{6})", log)}
 
