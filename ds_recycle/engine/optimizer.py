@@ -447,7 +447,10 @@ class StaggeredOptimizer:
             params, state = pending.snapshot
             for p, saved in zip(self.params, params):
                 p.data.copy_(saved)
+            grads = [h.grad for h in self.holders]  # the redo steps with the same, clipped, gradients
             self.optimizer.load_state_dict(state)
+            for h, g in zip(self.holders, grads):
+                h.grad = g
             self._clip_and_step((coef, norm))
             self.redone_steps += 1
         pending.snapshot = None

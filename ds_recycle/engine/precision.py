@@ -89,7 +89,10 @@ class MasterWeightOptimizer:
                                                                                    for m in self.masters]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s content; the module's weights follow the restored masters."""
+        """Restore :meth:`state_dict`'s content; the module's weights follow the restored masters.
+
+        The masters' gradients are dropped, as a restored stage (a snapshot, a checkpoint) has none yet.
+        """
         if "fp32_master_weights" not in state:
             raise ValueError("this optimizer state has no fp32 master weights: it was not saved with bf16 enabled "
                              "(load it with bf16.enabled false, or load the module only)")
@@ -101,6 +104,7 @@ class MasterWeightOptimizer:
         with torch.no_grad():
             for m, s in zip(self.masters, saved):
                 m.copy_(s)
+                m.grad = None
         self.copy_to_module()
 
     def __repr__(self) -> str:

@@ -83,6 +83,10 @@ def test_snapshot_carries_the_fp32_masters_not_just_the_bf16_weights() -> None:
     assert all(torch.equal(a, b) for a, b in zip(joiner.optimizer.masters, moved))
     assert all(torch.equal(a, b) for a, b in zip(joiner.module.parameters(), source.module.parameters()))
     assert joiner.optimizer.state_dict()["optimizer"]["state"].keys() == {0, 1, 2, 3}
+    _micro_batch(source.module, stepper, 9)  # an interrupted iteration's gradients: a restore drops them
+    assert all(h.grad is not None for h in stepper.holders)
+    snapshot.restore(source)
+    assert all(h.grad is None for h in stepper.holders)
 
 
 def test_a_state_without_masters_is_refused() -> None:
