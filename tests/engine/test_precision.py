@@ -9,7 +9,6 @@ from torch import nn
 
 from ds_recycle.engine.optimizer import StaggeredOptimizer
 from ds_recycle.engine.precision import MasterWeightOptimizer
-from ds_recycle.resilience.snapshot import StageSnapshot
 
 
 def _bf16_stage() -> tuple[nn.Module, MasterWeightOptimizer]:
@@ -59,33 +58,26 @@ def test_micro_batch_gradients_accumulate_in_fp32_and_the_step_moves_the_masters
         assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))  # weights are the rounded masters
 
 
-class _Engine:
-    """What StageSnapshot reads of an engine."""
-
-    def __init__(self) -> None:
-        self.module, self.optimizer = _bf16_stage()
-        self.lr_scheduler = None
-        self.iteration = self.global_steps = self.global_samples = 0
-
-
-def test_snapshot_carries_the_fp32_masters_not_just_the_bf16_weights() -> None:
-    source, joiner = _Engine(), _Engine()
-    stepper = _stepper(source.module, source.optimizer)
+def test_the_state_dict_carries_the_fp32_masters_not_just_the_bf16_weights() -> None:
+    """Snapshots, the rejoin state transfer and checkpoints all move a stage's ``optimizer.state_dict()``."""
+    module, optimizer = _bf16_stage()
+    joiner_module, joiner = _bf16_stage()
+    stepper = _stepper(module, optimizer)
     for k in range(4):
-        _micro_batch(source.module, stepper, k)
+        _micro_batch(module, stepper, k)
         stepper.reduce(None)
         stepper.step(k, synchronous=True)
         stepper.finish()
-    moved = [m.detach().clone() for m in source.optimizer.masters]
+    moved = [m.detach().clone() for m in optimizer.masters]
     assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in moved), "masters hold more than bf16 bits"
-    snapshot = copy.deepcopy(StageSnapshot.take(source))
-    snapshot.restore(joiner)
-    assert all(torch.equal(a, b) for a, b in zip(joiner.optimizer.masters, moved))
-    assert all(torch.equal(a, b) for a, b in zip(joiner.module.parameters(), source.module.parameters()))
-    assert joiner.optimizer.state_dict()["optimizer"]["state"].keys() == {0, 1, 2, 3}
-    _micro_batch(source.module, stepper, 9)  # an interrupted iteration's gradients: a restore drops them
+    state = copy.deepcopy(optimizer.state_dict())
+    joiner.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(joiner.masters, moved))
+    assert all(torch.equal(a, b) for a, b in zip(joiner_module.parameters(), module.parameters()))
+    assert joiner.state_dict()["optimizer"]["state"].keys() == {0, 1, 2, 3}
+    _micro_batch(module, stepper, 9)  # an interrupted iteration's gradients: a restore drops them
     assert all(h.grad is not None for h in stepper.holders)
-    snapshot.restore(source)
+    optimizer.load_state_dict(state)
     assert all(h.grad is None for h in stepper.holders)
 
 
