@@ -4,8 +4,9 @@
 (:mod:`ds_recycle.api`): a DeepSpeed pipeline script changes in its import and that one call. Pure-Python
 parts (the planner in :mod:`ds_recycle.plan`, the cluster simulator in :mod:`ds_recycle.cluster`) import
 neither torch nor DeepSpeed; ``initialize`` is imported on first use, so ``import ds_recycle`` stays light.
-When DeepSpeed is already imported, ``import ds_recycle`` keeps its ``init_distributed`` on a CPU machine
-from JIT-compiling a shared-memory op that training never uses (about two minutes the first time).
+``import ds_recycle`` keeps DeepSpeed's ``init_distributed`` on a CPU machine from JIT-compiling a
+shared-memory op that training never uses (about two minutes the first time), whether DeepSpeed was imported
+before it or is imported after (then right after DeepSpeed's own import finishes, through an import hook).
 """
 from __future__ import annotations
 
@@ -17,13 +18,42 @@ __all__ = ["__version__", "initialize"]
 _LAZY = {"initialize": "ds_recycle.api"}
 
 
+def _disable_cpu_jit_ops() -> None:
+    from ds_recycle.resilience.world import disable_cpu_jit_ops
+
+    disable_cpu_jit_ops()
+
+
 def _spare_cpu_jit() -> None:
+    import importlib.abc
+    import importlib.util
     import sys
 
     if "deepspeed" in sys.modules:
-        from ds_recycle.resilience.world import disable_cpu_jit_ops
+        _disable_cpu_jit_ops()
+        return
 
-        disable_cpu_jit_ops()
+    class AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
+        """Finds ``deepspeed`` as the other finders do, and disables the op once its import has run."""
+
+        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+            if name != "deepspeed":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run(module)
+                _disable_cpu_jit_ops()
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    if not any(type(f).__name__ == "AfterDeepSpeedImport" for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterDeepSpeedImport())
 
 
 _spare_cpu_jit()

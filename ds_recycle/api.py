@@ -137,10 +137,13 @@ def _close_at_exit(engine: RecyclePipelineEngine) -> None:
 
 
 def _check_model(model: PipelineModule) -> None:
-    if model.activation_checkpoint_interval > 0:
-        raise UnsupportedModelError("activation_checkpoint_interval > 0: DeepSpeed's activation checkpointing cannot "
-                                    "split the backward into B and W; build the PipelineModule with "
-                                    "activation_checkpoint_interval=0")
+    """Activation checkpointing: segments recomputed by a non-reentrant checkpoint (:mod:`ds_recycle.engine.recompute`)."""
+    from ds_recycle.engine.recompute import use_recompute
+
+    try:
+        use_recompute(model)
+    except ValueError as e:
+        raise UnsupportedModelError(str(e)) from e
 
 
 class _NoData:

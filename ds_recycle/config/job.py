@@ -10,9 +10,13 @@ with ReCycle's additions:
   (or one, as DeepSpeed allows) determine the third, with DeepSpeed's rules; all three are then written out;
 - an ``"optimizer"`` block of type Adam or AdamW is built by DeepSpeed as torch's optimizer on a CPU machine
   (``torch_adam``; ``weight_decay`` defaults to 0, as for DeepSpeed's fused Adam), never JIT-compiled;
+- ``"bf16": {"enabled": true}`` trains with bf16 weights and fp32 master weights, gradients accumulated and
+  reduced in fp32 (:mod:`ds_recycle.engine.precision`); ``data_types.grad_accum_dtype`` may be omitted or fp32
+  (it is taken out of the config DeepSpeed's engine sees, which refuses fp32 accumulation at ZeRO stage 0);
 - what ReCycle cannot run is refused here, with the reason and the fix: ZeRO stage 1 or more (it shards the
-  optimizer state ReCycle needs replicated on every pipeline), fp16 and bf16 (their loss scaling and
-  master weights are not in the ReCycle engine yet), a world size that is not a multiple of ``S``.
+  optimizer state ReCycle needs replicated on every pipeline), fp16 (its dynamic loss scaling skips steps on
+  overflow, which the staggered optimizer step does not do), bf16 with bf16 gradient accumulation or
+  communication, a world size that is not a multiple of ``S``.
 """
 from __future__ import annotations
 
@@ -148,11 +152,39 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
         raise ConfigError("zero_optimization.stage", f"{stage!r}: ZeRO stage 1 or more shards the optimizer state "
                           "across the data-parallel replicas, the very state ReCycle needs whole on every pipeline to "
                           "take over a failed worker's micro-batches", "use stage 0 (or run without ds_recycle)")
-    for key in ("fp16", "bf16"):
-        block = raw.get(key, {})
-        if isinstance(block, dict) and block.get("enabled", False):
-            raise ConfigError(f"{key}.enabled", f"{key} training (loss scaling, master weights) is not in the "
-                              "ReCycle engine yet", f"set {key}.enabled to false (fp32), or recycle.enabled to false")
+    fp16 = raw.get("fp16", {})
+    if isinstance(fp16, dict) and fp16.get("enabled", False):
+        raise ConfigError("fp16.enabled", "fp16 needs dynamic loss scaling, which skips the optimizer step of an "
+                          "iteration whose gradients overflow; the ReCycle engine's staggered step does not skip or "
+                          "scale (loss scaling is not supported)", "use \"bf16\": {\"enabled\": true} (no loss "
+                          "scaling needed) or fp32, or recycle.enabled false")
+    bf16 = raw.get("bf16", raw.get("bfloat16", {}))
+    if isinstance(bf16, dict) and bf16.get("enabled", False):
+        _bf16_data_types(raw)
+
+
+_FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+
+
+def _bf16_data_types(raw: dict[str, Any]) -> None:
+    """bf16 accumulates and reduces gradients in fp32 (exact rows): refuse a lower precision, hide fp32 from DeepSpeed."""
+    types = raw.get("data_types")
+    if isinstance(types, dict) and "grad_accum_dtype" in types:
+        accum = types["grad_accum_dtype"]
+        if str(accum).lower() not in _FP32_NAMES:
+            raise ConfigError("data_types.grad_accum_dtype", f"{accum!r}: with bf16 the ReCycle engine accumulates "
+                              "weight gradients in fp32, so that a re-routed micro-batch adds to the same sum "
+                              "wherever it runs", "remove data_types.grad_accum_dtype or set it to \"fp32\"")
+        rest = {k: v for k, v in types.items() if k != "grad_accum_dtype"}
+        if rest:
+            raw["data_types"] = rest
+        else:
+            del raw["data_types"]
+    comm = raw.get("communication_data_type")
+    if comm is not None and str(comm).lower() not in _FP32_NAMES:
+        raise ConfigError("communication_data_type", f"{comm!r}: with bf16 the ReCycle engine reduces the fp32 "
+                          "gradient rows in fp32 (a bf16 all-reduce would round them)",
+                          "remove communication_data_type or set it to \"fp32\"")
 
 
 def _torch_adam_on_cpu(block: Any) -> Any:

@@ -276,10 +276,12 @@ def _check_deepspeed_features(raw: dict[str, Any], recycle: RecycleConfig) -> No
     if stage != 0:
         raise ConfigError("zero_optimization.stage", f"{stage!r}: ZeRO partitions optimizer state over the replicas "
                           "a failure removes", "use stage 0")
-    for key in ("fp16", "bf16"):
-        if raw.get(key, {}).get("enabled", False) and recycle.enabled:
-            raise ConfigError(f"{key}.enabled", "mixed precision is not supported by the ReCycle engine yet",
-                              f"remove '{key}' or set enabled to false (fp32)")
+    if raw.get("fp16", {}).get("enabled", False) and recycle.enabled:
+        raise ConfigError("fp16.enabled", "fp16 needs dynamic loss scaling, which the ReCycle engine does not support",
+                          "remove 'fp16' or set enabled to false (fp32)")
+    if raw.get("bf16", {}).get("enabled", False) and recycle.enabled:
+        raise ConfigError("bf16.enabled", "the built-in GPT trains in fp32 (bf16 is supported for your own "
+                          "PipelineModule through ds_recycle.initialize)", "remove 'bf16' or set enabled to false (fp32)")
 
 
 def _optimizer(block: Any) -> tuple[str, dict[str, Any]]:

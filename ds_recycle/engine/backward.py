@@ -92,6 +92,8 @@ class OwnerCapture:
             self.params[id(m)] = own
             m.register_forward_hook(self._hook)
         self.all_params = [p for m in self.owners for p in self.params[id(m)]]
+        self.per_owner = True
+        """False: every W is one whole-stage pass (a stage with recomputed segments: one recompute per W)."""
         self._active: Captured | None = None
         if self.shared:
             logger.info("a parameter is shared by two modules; W runs over the whole stage")
@@ -114,7 +116,7 @@ class OwnerCapture:
 
     @contextmanager
     def capture(self) -> Iterator[Captured]:
-        cap = Captured(exact=not self.shared)
+        cap = Captured(exact=not self.shared and self.per_owner)
         self._active = cap
         try:
             yield cap

@@ -38,6 +38,7 @@ from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fu
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel
+from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.rng import micro_batch_rng
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.state import gather_state_dict
@@ -147,7 +148,11 @@ class RecyclePipelineEngine(PipelineEngine):
         self.data = data
         self.synchronous = plan.optimizer == "synchronous"
         self._schedules = [self._make_schedule(k) for k in range(plan.iterations)]
+        if self.bfloat16_enabled():  # DeepSpeed's BF16_Optimizer clips by the norm over every stage
+            clip_scope = ClipScope.WHOLE_MODEL
         self.capture = OwnerCapture(self.module)
+        if self.module.activation_checkpoint_interval > 0:  # recomputed segments (ds_recycle.engine.recompute)
+            self.capture.per_owner = False
         served, stage_rerouted = served_pipelines(plan, self.worker)
         self.channel = PeerChannel(self.grid.p2p_group, self.workers.pipelines, self.micro_batches)
         self.stepper = StaggeredOptimizer(
@@ -164,6 +169,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """``all_reduce(group name, tensor)`` over the live holders of a tied weight (the failure handler's bounded
         groups under ``ds-recycle launch``)."""
         self.iteration = 0
+        self._rerouted_cache: tuple[PlanLike, int] | None = None
         self.slots: dict[int, _Slot] = {}
         self._loss_sum: torch.Tensor | None = None
         self._iteration_loss: torch.Tensor | None = None
@@ -198,6 +204,15 @@ class RecyclePipelineEngine(PipelineEngine):
         """The resolved job config (:class:`~ds_recycle.config.job.JobConfig`), set by ``ds_recycle.initialize``."""
         self.resilience: Any = None
         """The failure handler (:class:`~ds_recycle.resilience.runner.ResilientRunner`) under ``ds-recycle launch``."""
+
+    def _configure_bf16_optimizer(self, optimizer: Any) -> Any:
+        """bf16: the optimizer steps fp32 master weights, whole on every replica (:mod:`ds_recycle.engine.precision`).
+
+        Replaces DeepSpeed's ``BF16_Optimizer``, which partitions the masters over the data-parallel replicas.
+        """
+        if optimizer is None:
+            raise ValueError("bf16 needs an optimizer: pass optimizer= or add an \"optimizer\" block to the config")
+        return MasterWeightOptimizer(optimizer, [p for p in self.module.parameters() if p.requires_grad])
 
     def _tied_groups(self) -> Callable[[str, torch.Tensor], None]:
         groups: dict[str, Any] = {}
@@ -386,8 +401,13 @@ class RecyclePipelineEngine(PipelineEngine):
 
     @property
     def rerouted_microbatches(self) -> int:
-        """(stage, micro-batch) pairs of an iteration processed by a worker of another pipeline, in the current plan."""
-        return rerouted_microbatches(self.plan)
+        """(stage, micro-batch) pairs of an iteration processed by a worker of another pipeline, in the current plan.
+
+        Computed once per plan (the failure handler replaces ``self.plan`` when the membership changes)."""
+        cached = self._rerouted_cache
+        if cached is None or cached[0] is not self.plan:
+            cached = self._rerouted_cache = (self.plan, rerouted_microbatches(self.plan))
+        return cached[1]
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's final parameters by name (all stages) on the reporter; None on other ranks."""
@@ -519,7 +539,8 @@ class RecyclePipelineEngine(PipelineEngine):
                     return
                 if slot.mb not in self.progress.loss_counted:  # a repaired iteration forwards some again
                     self.progress.loss_counted.add(slot.mb)
-                    self._loss_sum = loss.detach() if self._loss_sum is None else self._loss_sum + loss.detach()
+                    value = loss.detach().float()  # summed in fp32 (a bf16 loss too)
+                    self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
                 out = loss / self.micro_batches
         slot.output, slot.captured = out, captured
 
@@ -621,7 +642,8 @@ class RecyclePipelineEngine(PipelineEngine):
             loss_sum = torch.zeros(())
         total = self.stepper.reduce(loss_sum)  # the rows are kept as they were until the step
         if self.tied:  # one gradient for every copy of a weight tied across stages
-            reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0], self.tied_transport)
+            reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0], self.tied_transport,
+                        holder=self.stepper.holder)
         if total is not None:
             self._losses[self.iteration] = total / (self.workers.pipelines * self.micro_batches)
             self._losses.pop(self.iteration - 2, None)

@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_recycle.engine.precision import MasterWeightOptimizer
+
 __all__ = ["ClipScope", "StepOutcome", "StaggeredOptimizer"]
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,10 @@ class StaggeredOptimizer:
         self._source_work: Any = None
         self._source_tensor: torch.Tensor | None = None
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.master = optimizer if isinstance(optimizer, MasterWeightOptimizer) else None
+        """bf16: the fp32 master weights (:mod:`ds_recycle.engine.precision`); None in fp32."""
+        self.holders = [self.master.master_of(p) for p in self.params] if self.master is not None else self.params
+        """Where the stage's accumulated and reduced gradients live: the fp32 masters in bf16, else the parameters."""
         self._pending: _Pending | None = None
         self._unreduced: dict[RowKey, list[torch.Tensor | None]] | None = None
         """The gradient rows as they were before this iteration's reduction, until the step (see :meth:`revert`)."""
@@ -188,10 +194,22 @@ class StaggeredOptimizer:
         """Whether weight gradients go to per-row banks rather than straight into ``p.grad``."""
         return len(self.served) > 1 or bool(self.served & self.rerouted_pipelines)
 
+    def holder(self, param: nn.Parameter) -> nn.Parameter:
+        """The tensor whose ``.grad`` holds ``param``'s accumulated gradient (its fp32 master in bf16)."""
+        return self.master.master_of(param) if self.master is not None else param
+
     @contextlib.contextmanager
     def accumulating_for(self, pipeline: int, microbatch: int = -1) -> Iterator[None]:
         """Inside, weight gradients accumulate into their row: the owner pipeline's sum, or, for a micro-batch
-        re-routed away from its owner, a row of its own (only when banked, see :meth:`_banked`)."""
+        re-routed away from its owner, a row of its own (only when banked, see :meth:`_banked`).
+
+        In bf16 the backward inside leaves the micro-batch's bf16 gradient on the parameters; on exit it is
+        widened to fp32 and added to the row (DeepSpeed's high-precision accumulation), and cleared.
+        """
+        if self.master is not None:
+            with self._accumulating_fp32(pipeline, microbatch):
+                yield
+            return
         if not self._banked:
             yield
             return
@@ -205,12 +223,32 @@ class StaggeredOptimizer:
                 bank[n] = p.grad
                 p.grad = None
 
+    @contextlib.contextmanager
+    def _accumulating_fp32(self, pipeline: int, microbatch: int) -> Iterator[None]:
+        for p in self.params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            if self._banked:
+                row = self._bank.setdefault(self._key(pipeline, microbatch), [None] * len(self.params))
+            else:
+                row = [h.grad for h in self.holders]
+            for n, p in enumerate(self.params):
+                if p.grad is not None:
+                    wide, have = p.grad.detach().float(), row[n]
+                    row[n] = wide if have is None else have.add_(wide)
+                    p.grad = None
+            if not self._banked:
+                for h, g in zip(self.holders, row):
+                    h.grad = g
+
     def partial_rows(self) -> dict[RowKey, list[torch.Tensor | None]]:
         """The weight gradients accumulated so far in this iteration, per row (not consumed)."""
         if self._unreduced is not None:  # reduced but not stepped: the rows as they were before the reduction
             return {k: list(v) for k, v in self._unreduced.items()}
         if not self._banked:
-            return {(d, -1): [p.grad for p in self.params] for d in self.served}
+            return {(d, -1): [p.grad for p in self.holders] for d in self.served}
         return {k: list(grads) for k, grads in self._bank.items()}
 
     def adopt_rows(self, rows: dict[RowKey, list[torch.Tensor | None]]) -> None:
@@ -221,11 +259,11 @@ class StaggeredOptimizer:
                              f"{sorted(self.served)}")
         if not self._banked:
             own = next(iter(rows.values()), None)
-            for n, p in enumerate(self.params):
+            for n, p in enumerate(self.holders):
                 p.grad = own[n] if own is not None else None
             return
         self._bank = {self._key(d, i): list(grads) for (d, i), grads in rows.items()}
-        for p in self.params:
+        for p in self.holders:
             p.grad = None
 
     def _layout(self) -> list[RowKey]:
@@ -237,10 +275,10 @@ class StaggeredOptimizer:
     def _rows(self) -> dict[RowKey, list[torch.Tensor]]:
         """This worker's gradient rows."""
         if not self._banked:
-            grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.holders]
             return {(pipeline, -1): grads for pipeline in self.served} or {(0, -1): grads}
         bank = self._bank  # emptied once the all-reduce succeeded: a failure during it leaves the sums intact
-        return {k: [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params)]
+        return {k: [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.holders)]
                 for k, grads in bank.items()}
 
     # 1. gradient all-reduce
@@ -253,7 +291,7 @@ class StaggeredOptimizer:
         self._unreduced = self.partial_rows()
         if self.stage_rerouted or (self.canonical_order and self.pipelines > 2):
             return self._reduce_rows(loss_sum)
-        grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.holders]
         parts = grads + ([loss_sum.detach().reshape(1).to(grads[0].dtype)] if loss_sum is not None else [])
         flat = torch.cat([t.reshape(-1) for t in parts])
         if self.dp_size > 1:
@@ -262,7 +300,7 @@ class StaggeredOptimizer:
         flat = flat[:flat.numel() - (1 if loss_sum is not None else 0)]
         flat.mul_(1.0 / self.pipelines)
         offset = 0
-        for p, g in zip(self.params, grads):
+        for p, g in zip(self.holders, grads):
             p.grad = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
         return total_loss
@@ -286,7 +324,7 @@ class StaggeredOptimizer:
         Same values as :meth:`_reduce_rows` (each element is the same fold), half the table's volume twice over:
         every replica sends and receives ``2 (D - 1) / D`` of its gradients, as a ring all-reduce does.
         """
-        grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.holders]
         loss = loss_sum.detach().reshape(1).to(grads[0].dtype) if loss_sum is not None else torch.zeros(1)
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
         d, n = self.pipelines, flat.numel()
@@ -302,7 +340,7 @@ class StaggeredOptimizer:
         total_loss = total[n - 1].clone() if loss_sum is not None else None
         total = total[:n - 1].mul_(1.0 / self.pipelines)
         offset = 0
-        for p in self.params:
+        for p in self.holders:
             p.grad = total[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         return total_loss
@@ -326,7 +364,7 @@ class StaggeredOptimizer:
         total_loss = flat[numel].clone() if loss_sum is not None else None
         flat = flat[:numel].mul_(1.0 / self.pipelines)
         offset = 0
-        for p in self.params:
+        for p in self.holders:
             p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         return total_loss
@@ -334,13 +372,19 @@ class StaggeredOptimizer:
     # 2. norm
     def _stage_sq(self) -> torch.Tensor:
         """Squared norm of this stage's (reduced) gradients, as DeepSpeed's ``clip_grad_norm_`` sums it."""
-        norms = [p.grad.data.detach().float().norm(2.0) for p in self.module.parameters() if p.grad is not None]
+        if self.master is not None:  # bf16 (BF16_Optimizer): the fp32 gradients, tied copies after the first skipped
+            norms = [h.grad.detach().float().norm(2.0) for p, h in zip(self.params, self.holders)
+                     if h.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        else:
+            norms = [p.grad.data.detach().float().norm(2.0) for p in self.module.parameters() if p.grad is not None]
         if not norms:
             return torch.zeros(1)
         return torch.stack(norms).pow(2.0).sum().float().reshape(1)
 
     def _coefficient(self, total_sq: torch.Tensor) -> tuple[torch.Tensor, float]:
         norm = total_sq.pow(1.0 / 2.0)
+        if self.master is not None:  # BF16_Optimizer: max_norm / (norm + eps), the norm of the reduced gradients
+            return torch.clamp(torch.tensor([self.max_norm]) / (norm + _EPS), max=1.0), float(norm)
         scaled = norm * 1.0 / float(self.pipelines)
         averaged = scaled.clone()
         for _ in range(self.pipelines - 1):  # DeepSpeed's SUM all-reduce of the D identical scaled norms
@@ -434,7 +478,7 @@ class StaggeredOptimizer:
 
     def _clip_and_step(self, coef_norm: tuple[torch.Tensor, float]) -> tuple[float, bool]:
         coef, norm = coef_norm
-        for p in self.module.parameters():
+        for p in self.holders if self.master is not None else self.module.parameters():
             if p.grad is not None:
                 p.grad.data.mul_(coef)
         self.optimizer.step()
@@ -458,6 +502,8 @@ class StaggeredOptimizer:
         self.clipped_steps += int(clipped)
         logger.debug("iteration %d: norm %s, clipped %s", pending.iteration, norm, clipped)
         for p in self.module.parameters():
+            p.grad = None
+        for p in self.holders:
             p.grad = None
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -62,16 +62,19 @@ def tied_members(tied: TiedWeight, stage_ranks: Callable[[int], list[int]]) -> l
     return sorted(r for s in tied.stages for r in stage_ranks(s))
 
 
-def reduce_tied(tied: list[TiedWeight], contributes: bool, all_reduce: Callable[[str, torch.Tensor], None]) -> None:
+def reduce_tied(tied: list[TiedWeight], contributes: bool, all_reduce: Callable[[str, torch.Tensor], None],
+                holder: Callable[[nn.Parameter], nn.Parameter] = lambda p: p) -> None:
     """Sum each tied weight's (stage-reduced) gradient over its owner stages, in place (see the module docstring).
 
     ``contributes``: this worker is its stage's first live replica. ``all_reduce(group name, tensor)`` sums in place
-    over the members of that key's group.
+    over the members of that key's group. ``holder(param)``: the tensor whose ``.grad`` holds the parameter's
+    reduced gradient (its fp32 master in bf16, as DeepSpeed reduces the tied weights' high-precision gradients).
     """
     for t in tied:
-        grad = t.param.grad
+        param = holder(t.param)
+        grad = param.grad
         if grad is None:
-            grad = t.param.grad = torch.zeros_like(t.param)
+            grad = param.grad = torch.zeros_like(param)
         buf = grad.detach().clone() if contributes else torch.zeros_like(grad)
         all_reduce(t.name, buf)
         grad.copy_(buf)

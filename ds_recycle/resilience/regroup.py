@@ -10,6 +10,7 @@ itself communicates only through its channel and optimizer, which the runner rep
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 from ds_recycle.resilience.transport import EpochComm
 from ds_recycle.runtime.grid import SurvivorGrid, SurvivorTopology, WorkerMap
@@ -38,6 +39,11 @@ class EpochGrid(SurvivorGrid):
         self.dp_group = workers.stage_ranks(self.stage_id)
         self.dp_proc_group = comm.stage
         self.slice_proc_group = None
-        self.pp_group = live
+        self.pp_group = [r for (d, _), r in sorted(workers.ranks.items(), key=lambda kv: kv[0][1])
+                         if d == self.data_parallel_id]
         self.ds_model_rank = live.index(rank)
         self.ds_model_world_size = len(live)
+
+    def get_pipe_parallel_group(self) -> Any:
+        """An epoch has no per-pipeline group (the engine never needs one): refused rather than handing out WORLD."""
+        raise RuntimeError("after a regroup the grid has no per-pipeline process group; its ranks are in pp_group")

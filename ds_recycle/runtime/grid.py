@@ -103,7 +103,14 @@ class SurvivorGrid:
     - ``dp_proc_group``: the live replicas of this rank's stage (gradient all-reduce);
     - ``world_proc_group``: every live rank (DeepSpeed's "model parallel" group, used at start-up only);
     - ``p2p_group``: every live rank, for activations and gradients between any two workers;
-    - ``norm_group``: every live rank, for the clipping norm.
+    - ``norm_group``: every live rank, for the clipping norm;
+    - ``pp_proc_group`` (``get_pipe_parallel_group``): the live workers of this rank's pipeline, as DeepSpeed's
+      ``PipelineParallelGrid`` means it (one pipeline's stages; with a hole, the pipeline's survivors).
+
+    The "model parallel" group stays every live rank, unlike DeepSpeed's (one pipeline's ranks): DeepSpeed reads
+    it to sum the clipping norm over a pipeline and to name checkpoint files, and ds_recycle does both itself
+    (the norm over ``norm_group``, checkpoints in :mod:`ds_recycle.engine.ds_checkpoint`); at start-up the
+    engine only needs a group that holds every rank.
     """
 
     def __init__(self, workers: WorkerMap, timeout_s: float = 300.0) -> None:
@@ -128,7 +135,9 @@ class SurvivorGrid:
         self.dp_group = workers.stage_ranks(self.stage_id)
         self.dp_proc_group = self._group(self.dp_group)
         self.slice_proc_group = self._group([self.global_rank])
-        self.pp_group = live
+        self.pp_group = [r for (d, _), r in sorted(workers.ranks.items(), key=lambda kv: kv[0][1])
+                         if d == self.data_parallel_id]
+        self.pp_proc_group = self._group(self.pp_group)
         self.ds_model_rank = live.index(self.global_rank)
         self.ds_model_world_size = len(live)
 
@@ -168,7 +177,8 @@ class SurvivorGrid:
         return self.pipe_parallel_size
 
     def get_pipe_parallel_group(self) -> Any:
-        return self.world_proc_group
+        """The live workers of this rank's pipeline (global ranks in :attr:`pp_group`, by stage)."""
+        return self.pp_proc_group
 
     get_pipeline_model_parallel_rank = get_pipe_parallel_rank
     get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size

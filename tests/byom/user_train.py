@@ -27,6 +27,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-final", default=None, help="write the final parameters of every stage here")
     parser.add_argument("--load", default=None, help="continue from this DeepSpeed checkpoint (tag 'final')")
     parser.add_argument("--eval", action="store_true", help="after training, print every rank's eval_batch loss")
+    parser.add_argument("--activation-checkpoint-interval", type=int, default=0,
+                        help="checkpoint activations every N layers (PipelineModule.set_checkpoint_interval)")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -51,6 +53,8 @@ def main() -> None:
     deepspeed.init_distributed()
 
     net, dataset = models.build(args.model, num_stages=args.stages, seed=args.seed)
+    if args.activation_checkpoint_interval:
+        net.set_checkpoint_interval(args.activation_checkpoint_interval)
 
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], training_data=dataset)  # noqa: E501
 

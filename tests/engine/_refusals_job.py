@@ -35,7 +35,10 @@ def main() -> int:
     plain = [LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 1)]
     refused("not_pipeline", torch.nn.Linear(4, 1))
     refused("checkpointing", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss(),
-                                            activation_checkpoint_interval=1))
+                                            activation_checkpoint_interval=1,
+                                            activation_checkpoint_func=lambda f, *args: f(*args)))
+    refused("fp16", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()),
+            config={**config, "fp16": {"enabled": True}})
     refused("zero", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()),
             config={**config, "zero_optimization": {"stage": 2}})
     refused("no_optimizer", PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()),
@@ -45,6 +48,11 @@ def main() -> int:
     engine, optimizer, loader, scheduler = ds_recycle.initialize(
         model=PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()), config=config)
     report["accepted"] = f"{type(engine).__name__} {type(optimizer).__name__} {loader} {scheduler}"
+    bf16, bf16_optimizer, _, _ = ds_recycle.initialize(
+        model=PipelineModule(layers=plain, num_stages=1, loss_fn=torch.nn.MSELoss()),
+        config={**config, "bf16": {"enabled": True}})
+    report["bf16"] = (f"{type(bf16_optimizer).__name__} {next(bf16.module.parameters()).dtype} "
+                      f"{bf16_optimizer.param_groups[0]['params'][0].dtype}")
     try:
         engine.train_batch(data_iter=iter([(torch.zeros(2, 4), torch.zeros(2, 1))]))
     except ValueError as e:

@@ -17,7 +17,9 @@ def test_unsupported_inputs_are_refused_at_initialize() -> None:
     out = spawn(1, ["tests/engine/_refusals_job.py"], timeout=160)[0]
     report = json.loads(next(line for line in out.splitlines() if line.startswith("REPORT "))[7:])
     assert "not a deepspeed.pipe.PipelineModule" in report["not_pipeline"]
-    assert "activation_checkpoint_interval=0" in report["checkpointing"]
+    assert "default activation_checkpoint_func" in report["checkpointing"]
+    assert "loss scaling is not supported" in report["fp16"] and "Fix:" in report["fp16"]
+    assert report["bf16"] == "MasterWeightOptimizer torch.bfloat16 torch.float32"  # fp32 masters, bf16 weights
     assert "zero_optimization.stage" in report["zero"] and "shards the optimizer state" in report["zero"]
     assert "no optimizer given" in report["no_optimizer"]
     assert "training_data" in report["not_a_dataset"] and "micro_batch" in report["not_a_dataset"]

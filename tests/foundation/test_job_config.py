@@ -46,8 +46,9 @@ def test_batch_keys_that_disagree_name_the_key_and_the_product() -> None:
 
 @pytest.mark.parametrize("keys,match", [
     ({"zero_optimization": {"stage": 1}}, "shards the optimizer state"),
-    ({"fp16": {"enabled": True}}, "fp16"),
-    ({"bf16": {"enabled": True}}, "bf16"),
+    ({"fp16": {"enabled": True}}, "loss scaling is not supported"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),
+    ({"bf16": {"enabled": True}, "communication_data_type": "bf16"}, "communication_data_type"),
     ({"recycle": {"stages": 3}}, r"recycle.stages.*num_stages is 2"),
     ({"recycle": {"pipelines": 4}}, r"recycle.pipelines.*is 2"),
     ({"recycle": {"assume_failed": [[0, 1]]}}, "needs every worker at start"),
@@ -99,3 +100,10 @@ def test_config_from_a_dict_a_path_or_args(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):
         read_deepspeed_config(str(tmp_path / "bad.json"))
+
+
+def test_bf16_runs_with_fp32_accumulation_hidden_from_deepspeed() -> None:
+    cfg = job_config(_cfg(train_micro_batch_size_per_gpu=2, bf16={"enabled": True},
+                          data_types={"grad_accum_dtype": "fp32"}), stages=2, world_size=4)
+    assert cfg.deepspeed["bf16"] == {"enabled": True}
+    assert "data_types" not in cfg.deepspeed  # DeepSpeed refuses bf16 weights with fp32 accumulation at stage 0
