@@ -113,10 +113,26 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         from ds_recycle.resilience.runner import ResilientRunner
 
         engine.resilience = ResilientRunner(engine, cfg, rejoining=world.rejoining)
+        _resume_after_fallback(engine)
     logger.info("ds_recycle engine: %d stages x %d pipelines, %d micro-batches, schedule %s, failure handling %s",
                 cfg.recycle.stages, cfg.recycle.pipelines, cfg.micro_batches, cfg.recycle.schedule,
                 "on" if world.resilient else "off (use ds-recycle launch)")
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _resume_after_fallback(engine: RecyclePipelineEngine) -> None:
+    """A job restarted from its checkpoint after a whole stage was lost: load it, so that a script that never
+    loads checkpoints itself resumes too. Its loop starts again from its first step: the calls up to the
+    checkpoint's iteration return at once (a NaN loss), as for a worker that joined a running job; a script that
+    does call ``engine.load_checkpoint`` itself resumes where it says."""
+    runner = engine.resilience
+    directory = runner.resume_directory() if runner is not None and runner.joined_at is None else None
+    if directory is None:
+        return
+    path, _ = engine.load_checkpoint(directory)
+    engine._calls = 0
+    logger.warning("resumed from the checkpoint %s after the fallback (iteration %d): the loop's first %d calls "
+                   "return at once", path, engine.iteration, engine.iteration)
 
 
 def _close_at_exit(engine: RecyclePipelineEngine) -> None:

@@ -437,6 +437,8 @@ class RecyclePipelineEngine(PipelineEngine):
             if save_latest:
                 ds_checkpoint.write_latest(save_dir, tag)
         if self.resilience is not None:
+            if self.resilience.fallback_directory is None:  # a lost stage falls back to the user's checkpoints
+                self.resilience.fallback_directory, self.resilience.named_by_engine = save_dir, True
             self.resilience.save_checkpoint(save_dir, self.iteration, write=write, latest=latest)
             return True
         self._exec_finish_optimizer_step()

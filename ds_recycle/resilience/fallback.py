@@ -8,7 +8,9 @@ survive them:
   restarted reporter records them first, with its ``resumed`` event, so the metrics file keeps one continuous
   record;
 * the restart of every rank: ``ds_recycle/restart_all`` = ``g`` asks every launcher to start each of its ranks
-  again once it is lost (:mod:`ds_recycle.launcher.supervisor`), so checkpoint flags alone are enough.
+  again once it is lost (:mod:`ds_recycle.launcher.supervisor`), so checkpoint flags alone are enough;
+* the checkpoint directory (``ds_recycle/gen<g>/fallback_directory``): a user's script that never loads a
+  checkpoint itself is resumed from it by ``ds_recycle.initialize``.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from ds_recycle.runtime import job_store as launcher_store
 
-__all__ = ["carried_events", "carry_events", "request_restart_all"]
+__all__ = ["carried_events", "carry_events", "fallback_directory", "hand_over_directory", "request_restart_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,22 @@ def carried_events(store: dist.Store, generation: int) -> list[dict[str, Any]]:
     if generation == 0 or not store.check([_key(generation)]):
         return []
     return list(json.loads(store.get(_key(generation))))
+
+
+def _directory_key(generation: int) -> str:
+    return f"ds_recycle/gen{generation}/fallback_directory"
+
+
+def hand_over_directory(store: dist.Store, generation: int, directory: str) -> None:
+    """Tell generation ``generation`` which checkpoint directory it resumes from."""
+    store.set(_directory_key(generation), directory)
+
+
+def fallback_directory(store: dist.Store, generation: int) -> str | None:
+    """The checkpoint directory the previous generation fell back to (None: generation 0, or none named)."""
+    if generation == 0 or not store.check([_directory_key(generation)]):
+        return None
+    return bytes(store.get(_directory_key(generation))).decode()
 
 
 def request_restart_all(store: dist.Store, generation: int) -> None:

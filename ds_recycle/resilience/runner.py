@@ -44,7 +44,13 @@ from ds_recycle.engine.tied import tied_members
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
 from ds_recycle.resilience.comm import EpochGroup, PeerFailure
-from ds_recycle.resilience.fallback import carried_events, carry_events, request_restart_all
+from ds_recycle.resilience.fallback import (
+    carried_events,
+    carry_events,
+    fallback_directory,
+    hand_over_directory,
+    request_restart_all,
+)
 from ds_recycle.resilience.faults import JOIN_PHASES, FaultInjector, FaultSpec, Phase
 from ds_recycle.resilience.heartbeat import Heartbeat, Liveness
 from ds_recycle.resilience.membership import MembershipError, agree_members
@@ -132,7 +138,10 @@ class ResilientRunner:
         self.joined_at: int | None = None
         """The iteration at which this process joined the running job (None: it started with the job)."""
         self.fallback_directory: str | None = None
-        """The checkpoint directory a lost stage falls back to (the training loop sets it); None: no fallback."""
+        """The checkpoint directory a lost stage falls back to: the training loop sets it, and otherwise the first
+        ``engine.save_checkpoint`` names it; None: no fallback."""
+        self.named_by_engine = False
+        """The fallback directory holds ``engine.save_checkpoint``'s checkpoints (DeepSpeed's layout)."""
         if rejoining:
             self._join()
         else:
@@ -429,6 +438,8 @@ class ResilientRunner:
                      "(exit %d) and the launcher starts every rank again", error, self.fallback_directory,
                      ckpt.LOST_EXIT_CODE)
         carry_events(self.store, self.generation + 1, self.rank == min(self.members), self.events)
+        if self.named_by_engine:  # the restarted script may not load it itself: ds_recycle.initialize will
+            hand_over_directory(self.store, self.generation + 1, self.fallback_directory)
         self.store.compare_set(ckpt.GENERATION_KEY, str(self.generation), str(self.generation + 1))
         request_restart_all(self.store, self.generation + 1)
         self._exit(ckpt.LOST_EXIT_CODE)
@@ -585,6 +596,10 @@ class ResilientRunner:
                 latest() if latest is not None else ckpt.write_latest(directory, next_iteration)
             self._event("checkpoint", next_iteration=next_iteration, directory=directory)
         self._with_recovery(save)
+
+    def resume_directory(self) -> str | None:
+        """After a fallback (generation > 0): the checkpoint directory the job fell back to (None otherwise)."""
+        return fallback_directory(self.store, self.generation)
 
     def load_checkpoint(self, directory: str) -> int | None:
         if self.joined_at is not None:  # state came from a live replica, newer than any checkpoint

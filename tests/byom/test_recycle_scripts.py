@@ -77,6 +77,22 @@ def test_sigkill_mid_run_matches_vanilla(vanilla: VanillaRuns, variant: Path, tm
 
 
 @pytest.mark.timeout(600)
+def test_whole_stage_lost_falls_back_to_the_scripts_own_checkpoints(vanilla: VanillaRuns, variant: Path,
+                                                                     tmp_path: Path) -> None:
+    """Both workers of the last stage SIGKILLed at once: no peer holds the stage, so every rank restarts from the
+    latest checkpoint the script itself saved (``engine.save_checkpoint``), although the script never loads one;
+    its loop catches up and the run ends at vanilla DeepSpeed's model."""
+    args = [*script_args("alexnet"), "--save-dir", str(tmp_path / "ckpt"), "--save-every", "4"]
+    with start_ds_recycle(variant, args, tmp_path) as job:
+        job.wait_for(rf"step {KILL_AFTER_STEP + 2} loss", timeout=RUN_TIMEOUT_S)
+        job.kill_rank(2)
+        job.kill_rank(3)
+        run = job.result(3 * RUN_TIMEOUT_S).check()
+    assert "falling back to the latest checkpoint" in run.log and "resumed from the checkpoint" in run.log
+    assert_same_final(run.final, vanilla("alexnet").final)
+
+
+@pytest.mark.timeout(600)
 def test_dropout_model_with_a_failure_ends_as_without(variant: Path, tmp_path: Path) -> None:
     """Dropout draws from the micro-batch's own generator: a re-routed micro-batch gets the masks it would have had.
 

@@ -26,6 +26,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--save-final", default=None, help="write the final parameters of every stage here")
     parser.add_argument("--load", default=None, help="continue from this DeepSpeed checkpoint (tag 'final')")
+    parser.add_argument("--save-dir", default=None, help="write a DeepSpeed checkpoint here every --save-every steps")
+    parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--eval", action="store_true", help="after training, print every rank's eval_batch loss")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0,
                         help="checkpoint activations every N layers (PipelineModule.set_checkpoint_interval)")
@@ -66,6 +68,8 @@ def main() -> None:
         loss = engine.train_batch()
         if engine.global_rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
+        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+            engine.save_checkpoint(args.save_dir)
     if args.eval:
         grid = engine.grid
         sampler = DistributedSampler(dataset, num_replicas=grid.get_data_parallel_world_size(),
