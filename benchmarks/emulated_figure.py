@@ -77,6 +77,8 @@ class Case:
     """Kills by ``recycle.faults``: (worker, iteration, phase)."""
     sigkill: tuple[tuple[Worker, int], ...] = ()
     """Outside SIGKILLs: (worker, after the reporter printed this step)."""
+    launcher: str = "ds-recycle"
+    """``ds-recycle`` (failure handling on) or ``torchrun`` (the ds_recycle engine without it)."""
 
     @property
     def failed(self) -> tuple[Worker, ...]:
@@ -91,7 +93,8 @@ def cases_for(stages: int, pipelines: int, which: str, kill_at: int) -> list[Cas
     """The figure's cases for an ``S x D`` job (failures avoid the first stage, which also loads data)."""
     s1, s2, s3 = 1 % stages, 2 % stages, 3 % stages
     out = [Case("vanilla 1F1B", "vanilla", "1f1b"), Case("ds_recycle ZB-H1", "recycle", "zb-h1"),
-           Case("ds_recycle adaptive", "recycle")]
+           Case("ds_recycle adaptive", "recycle"),
+           Case("ds_recycle ZB-H1, torchrun", "recycle", "zb-h1", launcher="torchrun")]
     absent = [("1 absent", ((0, s2),)),
               ("2 absent, same stage", ((0, s1), (1, s1))),
               ("2 absent, 2 stages", ((0, s1), (1, s2))),
@@ -116,6 +119,9 @@ class Sampler:
         self.root, self.period = root_pid, period
         self.samples: list[tuple[float, float, float, float]] = []  # (time, busy jiffies, total jiffies, load1)
         self.peak_rss = 0
+        self.ticks: dict[int, int] = {}
+        self.tick_samples: list[tuple[float, int]] = []
+        """(time, CPU clock ticks used so far by the launcher and every process under it)."""
         self.available_at_start = self._available()
         self.least_available = self.available_at_start
         self._stop = threading.Event()
@@ -140,11 +146,14 @@ class Sampler:
             busy, total = self._jiffies()
             self.samples.append((time.time(), busy, total, os.getloadavg()[0]))
             rss = 0
-            for pid in descendants(scan_proc(), self.root):
+            for pid in [self.root, *descendants(scan_proc(), self.root)]:
                 try:
                     rss += rss_bytes(Path(f"/proc/{pid}/status").read_text())
-                except (OSError, ValueError):
+                    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+                    self.ticks[pid] = max(self.ticks.get(pid, 0), int(fields[11]) + int(fields[12]))
+                except (OSError, ValueError, IndexError):
                     pass
+            self.tick_samples.append((time.time(), sum(self.ticks.values())))
             self.peak_rss = max(self.peak_rss, rss)
             self.least_available = min(self.least_available, self._available())
             self._stop.wait(self.period)
@@ -160,6 +169,14 @@ class Sampler:
             return float("nan"), float("nan")
         (_, b0, n0, _), (_, b1, n1, _) = inside[0], inside[-1]
         return (b1 - b0) / max(n1 - n0, 1e-9), statistics.mean(s[3] for s in inside)
+
+    def job_share(self, t0: float, t1: float) -> float:
+        """CPU of the launcher and all its processes between ``t0`` and ``t1``, as a fraction of all cores."""
+        inside = [s for s in self.tick_samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return float("nan")
+        (a, c0), (b, c1) = inside[0], inside[-1]
+        return (c1 - c0) / os.sysconf("SC_CLK_TCK") / max(b - a, 1e-9) / (os.cpu_count() or 1)
 
 
 # ---------------------------------------------------------------------------------------------- one job
@@ -182,6 +199,8 @@ class Result:
     peak_rss_gb: float = 0.0
     """Sum of the job's processes' RSS (shared pages counted in each)."""
     mem_gb: float = 0.0
+    job_share: float = float("nan")
+    """CPU of the launcher (its store) and the workers over the timed steps, a fraction of all cores."""
     """Drop of the machine's MemAvailable during the job (other tenants' use shows too)."""
     ok: bool = True
     note: str = ""
@@ -226,6 +245,9 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
     if case.engine == "vanilla":
         cmd = [str(VENV_BIN / "deepspeed"), "--num_accelerators", str(nproc), "--master_port", str(free_port()),
                *args]
+    elif case.launcher == "torchrun":
+        (work / "train.py").write_text(recycle_variant(SCRIPT.read_text()))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
     else:
         (work / "train.py").write_text(recycle_variant(SCRIPT.read_text()))
         cmd = [sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", str(nproc), "--master_port", "0",
@@ -268,10 +290,35 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
         res.startup_s = stamps[order[0]] - started
     res.times = [stamps[b] - stamps[a] for a, b in zip(order, order[1:]) if a >= first_timed - 1 and b in stamps]
     if len(order) > first_timed:
-        res.machine_busy, res.load = sampler.window(stamps[max(first_timed - 1, order[0])], stamps[order[-1]])
+        t0, t1 = stamps[max(first_timed - 1, order[0])], stamps[order[-1]]
+        res.machine_busy, res.load = sampler.window(t0, t1)
+        res.job_share = sampler.job_share(t0, t1)
     res.peak_rss_gb = sampler.peak_rss / 2 ** 30
     res.mem_gb = (sampler.available_at_start - sampler.least_available) / 2 ** 30
     return res
+
+
+def result_json(r: Result) -> dict[str, Any]:
+    c = r.case
+    return {"stages": r.stages, "pipelines": r.pipelines, "microbatches": r.microbatches,
+            "case": {"name": c.name, "engine": c.engine, "schedule": c.schedule, "absent": c.absent,
+                     "faults": c.faults, "sigkill": c.sigkill, "launcher": c.launcher},
+            "ok": r.ok, "times": r.times, "startup_s": r.startup_s, "cpu_s": r.cpu_s,
+            "cpu_iterations": r.cpu_iterations, "machine_busy": r.machine_busy, "load": r.load,
+            "recovery_s": r.recovery_s, "peak_rss_gb": r.peak_rss_gb, "mem_gb": r.mem_gb, "note": r.note,
+            "job_share": r.job_share}
+
+
+def result_from_json(obj: dict[str, Any]) -> Result:
+    c = obj["case"]
+    case = Case(c["name"], c["engine"], c["schedule"], tuple(tuple(w) for w in c["absent"]),  # type: ignore[misc]
+                tuple((tuple(w), it, ph) for w, it, ph in c["faults"]),  # type: ignore[misc]
+                tuple((tuple(w), after) for w, after in c["sigkill"]), c["launcher"])  # type: ignore[misc]
+    keys = ("times", "startup_s", "cpu_s", "cpu_iterations", "machine_busy", "load", "recovery_s", "peak_rss_gb",
+            "mem_gb", "ok", "note")
+    out = Result(case, obj["stages"], obj["pipelines"], obj["microbatches"], **{k: obj[k] for k in keys})
+    out.job_share = obj.get("job_share", float("nan"))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the planner
@@ -336,7 +383,8 @@ def report(results: list[Result], args: argparse.Namespace, costs_by_shape: dict
         ff = med("ds_recycle adaptive")
 
         def per_op(engine: str, rs: list[Result] = rs) -> float:
-            vals = [r.cpu_ms_per_op() for r in rs if r.ok and r.case.engine == engine and not r.case.failed]
+            vals = [r.cpu_ms_per_op() for r in rs if r.ok and r.case.engine == engine and not r.case.failed
+                    and r.case.launcher == "ds-recycle"]
             return statistics.median(vals) if vals else 0.0
 
         fed = {e: CostModel.from_json(fed_back(costs.to_json(), per_op(e), comm_ms, 0.0)) for e in ("vanilla", "recycle")}
@@ -353,13 +401,14 @@ def report(results: list[Result], args: argparse.Namespace, costs_by_shape: dict
             plan_t, fed_t, bound_t = plan_ms / 1e3, fed_ms / 1e3, bound_ms / 1e3
             cpu = statistics.mean(r.cpu_ms_per_op() for r in group)
             job_cpu = statistics.mean(r.job_cpu_share() for r in group)
+            with_launcher = statistics.mean(r.job_share for r in group)
             busy = statistics.mean(r.machine_busy for r in group)
             load = statistics.mean(r.load for r in group)
             rec = [r.recovery_s for r in group if r.recovery_s is not None]
             ok = all(r.ok for r in group)
             say(f"{name:<30}{'yes' if ok else 'NO':>4}{t:>8.3f}{plan_t:>8.3f}{t / plan_t:>8.3f}{fed_t:>8.3f}"
                 f"{t / fed_t:>8.3f}{bound_t:>8.3f}{ff / t:>7.3f}{d * m / t:>8.2f}{cpu:>10.2f}{100 * job_cpu:>7.0f}%"
-                f"{100 * busy:>5.0f}%{load:>6.1f}"
+                f"{100 * with_launcher:>7.0f}%{100 * busy:>5.0f}%{load:>6.1f}"
                 f"{(f'{max(rec):.2f}' if rec else '-'):>8}{max(r.peak_rss_gb for r in group):>7.2f}"
                 f"{max(r.mem_gb for r in group):>7.2f}")
             for r in group:
@@ -462,6 +511,8 @@ def main() -> int:
     p.add_argument("--window", type=int, default=500)
     p.add_argument("--out", default=None, help="report file (.txt; .json and .png next to it)")
     p.add_argument("--workdir", default=str(REPO / "runs" / "emulated"))
+    p.add_argument("--report-from", default=None, nargs="+",
+                   help="no runs: report the results of earlier runs (their .jsonl files) with this command's options")
     args = p.parse_args()
     work = Path(args.workdir)
     lines: list[str] = []
@@ -501,11 +552,22 @@ def main() -> int:
     for line in say_head:
         print(line, flush=True)
     lines += say_head
-    for r in range(args.rounds):
+    partial = Path(args.out).with_suffix(".jsonl") if args.out else work / "results.jsonl"
+    if args.report_from:
+        plan_cases = []
+        for f in args.report_from:
+            results += [result_from_json(json.loads(line)) for line in Path(f).read_text().splitlines() if line]
+            lines.append(f"results read from {f}")
+    else:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+    for r in range(args.rounds if plan_cases else 0):
         for i, (s, d, m, case, pfile, cfile) in enumerate(plan_cases):
             tag = re.sub(r"[^a-z0-9]+", "-", case.name.lower()).strip("-")
             res = run_case(case, s, d, m, args.steps, args.warmup, pfile, cfile, work / f"{s}x{d}-m{m}-{tag}-r{r}")
             results.append(res)
+            with partial.open("a") as f:
+                f.write(json.dumps(result_json(res)) + "\n")
             print(f"  [{i + 1}/{len(plan_cases)} round {r + 1}] {s}x{d} M={m} {case.name}: "
                   f"{res.per_iteration:.3f} s/iter, cpu {res.cpu_ms_per_op():.2f} ms/op, busy "
                   f"{100 * res.machine_busy:.0f}%, load {res.load:.1f}"
@@ -528,11 +590,6 @@ def main() -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(lines) + "\n")
-        out.with_suffix(".json").write_text(json.dumps([
-            {"stages": r.stages, "pipelines": r.pipelines, "microbatches": r.microbatches, "case": r.case.name,
-             "failed": r.case.failed, "ok": r.ok, "times": r.times, "startup_s": r.startup_s, "cpu_s": r.cpu_s,
-             "cpu_iterations": r.cpu_iterations, "machine_busy": r.machine_busy, "load": r.load,
-             "recovery_s": r.recovery_s, "peak_rss_gb": r.peak_rss_gb, "mem_gb": r.mem_gb, "note": r.note} for r in results], indent=1))
         plot(results, args, costs_by_shape, out.with_suffix(".png"))
     return 0 if all(r.ok for r in results) else 1
 

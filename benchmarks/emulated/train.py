@@ -13,7 +13,9 @@ and ``event {...}`` for each ds_recycle event; at the end every rank prints ``cp
 its process CPU time over the steps after ``--warmup`` (all its threads: engine, transport, watchdogs).
 """
 import argparse
+import cProfile
 import json
+import os
 import time
 
 import deepspeed
@@ -28,6 +30,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps before the CPU time is counted")
+    parser.add_argument("--cprofile", default=None,
+                        help="write each rank's cProfile (main-thread CPU time) over the timed steps to DIR/rank<R>.prof")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -58,9 +62,12 @@ def main() -> None:
 
     reporter = getattr(engine, "is_reporter", lambda: engine.global_rank == 0)
     cpu0 = time.process_time()
+    profiler = cProfile.Profile(time.thread_time) if args.cprofile else None  # main-thread CPU, not wall
     for step in range(args.steps):
         if step == args.warmup:
             cpu0 = time.process_time()
+            if profiler is not None:
+                profiler.enable()
         loss = engine.train_batch()
         stamp = time.time()
         for event in getattr(engine, "recycle_events", list)():
@@ -68,6 +75,10 @@ def main() -> None:
         if reporter():
             print(f"step {step} loss {float(loss):.6f} t {stamp:.6f}", flush=True)
     cpu = time.process_time() - cpu0
+    if profiler is not None:
+        profiler.disable()
+        os.makedirs(args.cprofile, exist_ok=True)
+        profiler.dump_stats(os.path.join(args.cprofile, f"rank{engine.global_rank}.prof"))
     print(f"cpu rank {engine.global_rank} s {cpu:.4f} iterations {args.steps - args.warmup}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
