@@ -451,27 +451,33 @@ def plot(results: list[Result], args: argparse.Namespace, costs_by_shape: dict[t
                     out.setdefault(len(r.case.failed), []).append(samples / r.per_iteration)
             return out
 
-        rc_abs = tput(lambda c: c.engine == "recycle" and c.schedule == "adaptive" and not c.killed)
+        def spread(c: Case) -> bool:
+            return len({st for _, st in c.failed}) > 1
+
         rc_kill = tput(lambda c: c.killed)
         vans = [r for r in rs if r.case.engine == "vanilla" and r.ok and r.times]
-        xs = sorted(rc_abs)
-        ax.plot(xs, [statistics.median(rc_abs[x]) for x in xs], "o-", label="ds_recycle (absent workers)")
-        for x, vals in rc_abs.items():
-            ax.scatter([x] * len(vals), vals, s=10, color="C0", alpha=0.5)
+        v = statistics.median(r.per_iteration for r in vans) if vans else None
+        start = statistics.median(r.startup_s for r in vans) if vans else None
+        bx: list[int] = []
+        for label, wanted, color, style in (("one stage", False, "C0", "o-"), ("several stages", True, "C1", "D-")):
+            series = tput(lambda c, wanted=wanted: c.engine == "recycle" and c.schedule == "adaptive"
+                          and not c.killed and (len(c.failed) <= 1 or spread(c) == wanted))
+            sets = {len(r.case.failed): r.case.failed for r in rs if r.case.engine == "recycle" and not r.case.killed
+                    and r.case.schedule == "adaptive" and (len(r.case.failed) <= 1 or spread(r.case) == wanted)}
+            xs = sorted(series)
+            bx = sorted(set(bx) | set(xs))
+            ax.plot(xs, [statistics.median(series[x]) for x in xs], style, color=color,
+                    label=f"ds_recycle, failures in {label} (absent from the start)")
+            ax.plot(xs, [samples / (lower_bound(s, d, m, costs, sets[x]) / 1e3) for x in xs], "--", color=color,
+                    alpha=0.6, label=f"bound, {label} (throughput at the lower bound of the time)")
+            if v is not None and start is not None:
+                vy = [samples / vanilla_restart_model(v, start, sets[x], d, args.checkpoint_interval, args.window)
+                      for x in xs]
+                ax.plot(xs, vy, "^:", color="C3", alpha=0.9 if wanted else 0.5,
+                        label=f"vanilla DeepSpeed checkpoint-restart (model), {label}")
         if rc_kill:
             kx = sorted(rc_kill)
-            ax.plot(kx, [statistics.median(rc_kill[x]) for x in kx], "s", color="C2", label="ds_recycle (killed mid-run)")
-        fails_sets = {len(r.case.failed): r.case.failed for r in rs if r.case.engine == "recycle"
-                      and not r.case.killed}
-        bx = sorted(fails_sets)
-        ax.plot(bx, [samples / (lower_bound(s, d, m, costs, fails_sets[x]) / 1e3) for x in bx], "k--",
-                label="bound (lower bound of the time)")
-        if vans:
-            v = statistics.median(r.per_iteration for r in vans)
-            start = statistics.median(r.startup_s for r in vans)
-            vy = [samples / vanilla_restart_model(v, start, fails_sets[x], d, args.checkpoint_interval, args.window)
-                  for x in bx]
-            ax.plot(bx, vy, "^-", color="C3", label="vanilla DeepSpeed, checkpoint-restart (model)")
+            ax.plot(kx, [statistics.median(rc_kill[x]) for x in kx], "s", color="C2", label="ds_recycle, killed mid-run")
         ax.set_xlabel("failed workers")
         ax.set_ylabel("throughput (samples/s)")
         ax.set_title(f"{s} x {d}, M = {m} (emulated accelerators)")
@@ -511,6 +517,8 @@ def main() -> int:
     p.add_argument("--window", type=int, default=500)
     p.add_argument("--out", default=None, help="report file (.txt; .json and .png next to it)")
     p.add_argument("--workdir", default=str(REPO / "runs" / "emulated"))
+    p.add_argument("--comm-ms", type=float, default=None,
+                   help="p2p time for the fed-back costs (default: measured now by a gloo ping-pong)")
     p.add_argument("--report-from", default=None, nargs="+",
                    help="no runs: report the results of earlier runs (their .jsonl files) with this command's options")
     args = p.parse_args()
@@ -572,7 +580,7 @@ def main() -> int:
                   f"{res.per_iteration:.3f} s/iter, cpu {res.cpu_ms_per_op():.2f} ms/op, busy "
                   f"{100 * res.machine_busy:.0f}%, load {res.load:.1f}"
                   + ("" if res.ok else f"  FAILED: {res.note}"), flush=True)
-    comm = measure_comm_ms()
+    comm = args.comm_ms if args.comm_ms is not None else measure_comm_ms()
     report(results, args, costs_by_shape, lines, comm)
     if args.feed_back:
         for (s, d), prof in profiles.items():
