@@ -226,8 +226,11 @@ def _configs(work: Path, case: Case, stages: int, pipelines: int, m: int, costs_
                             "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
                             "zero_optimization": {"stage": 0}}
     if case.engine == "recycle":
+        # heartbeat_stale_s 60: on a machine saturated by other jobs a worker starved for over 10 s while the engine
+        # is built is fenced as hung, which ends the job (a failure before the first train_batch); kills are found
+        # through the launcher's exit reports either way.
         base["recycle"] = {"stages": stages, "pipelines": pipelines, "schedule": case.schedule,
-                           "costs_file": str(costs_file),
+                           "costs_file": str(costs_file), "heartbeat_stale_s": 60.0,
                            "assume_failed": [list(w) for w in case.absent],
                            "faults": [{"worker": list(w), "iteration": it, "phase": ph} for w, it, ph in case.faults]}
     path = work / "ds.json"
@@ -401,13 +404,15 @@ def report(results: list[Result], args: argparse.Namespace, costs_by_shape: dict
             plan_t, fed_t, bound_t = plan_ms / 1e3, fed_ms / 1e3, bound_ms / 1e3
             cpu = statistics.mean(r.cpu_ms_per_op() for r in group)
             job_cpu = statistics.mean(r.job_cpu_share() for r in group)
+            per_worker = job_cpu * (os.cpu_count() or 1) / (s * d - len(case.absent))
             with_launcher = statistics.mean(r.job_share for r in group)
             busy = statistics.mean(r.machine_busy for r in group)
             load = statistics.mean(r.load for r in group)
             rec = [r.recovery_s for r in group if r.recovery_s is not None]
             ok = all(r.ok for r in group)
             say(f"{name:<30}{'yes' if ok else 'NO':>4}{t:>8.3f}{plan_t:>8.3f}{t / plan_t:>8.3f}{fed_t:>8.3f}"
-                f"{t / fed_t:>8.3f}{bound_t:>8.3f}{ff / t:>7.3f}{d * m / t:>8.2f}{cpu:>10.2f}{100 * job_cpu:>7.0f}%"
+                f"{t / fed_t:>8.3f}{bound_t:>8.3f}{ff / t:>7.3f}{d * m / t:>8.2f}{cpu:>10.2f}"
+                f"{100 * per_worker:>7.1f}%{100 * job_cpu:>7.0f}%"
                 f"{100 * with_launcher:>7.0f}%{100 * busy:>5.0f}%{load:>6.1f}"
                 f"{(f'{max(rec):.2f}' if rec else '-'):>8}{max(r.peak_rss_gb for r in group):>7.2f}"
                 f"{max(r.mem_gb for r in group):>7.2f}")
@@ -552,7 +557,14 @@ def main() -> int:
                 "EMULATED ACCELERATORS: F, B, W sleep the profile's time (benchmarks/emulated/); the runtime, "
                 "transport, optimizer and all-reduce run for real",
                 f"profile {args.profile}, slowest F {args.f_ms:g} ms; {args.steps} steps, {args.warmup} warm-up; "
-                f"{args.rounds} round(s), cases alternated"]
+                f"{args.rounds} round(s), cases alternated",
+                "columns: s/iter measured (median over the timed steps); plan = the planner's time for the runtime's "
+                "plan with the runtime's costs; meas/pl; plan+fb = the same plan re-timed with the fed-back costs; "
+                "bound = lower bound of the failure set; kept = failure-free adaptive time / this time; samp/s; "
+                "cpu ms/op = all workers' process CPU / (3 S D M) per iteration; %core/w = one worker's CPU share of "
+                "a core; job cpu = the workers' share of all cores, +launch = with the launcher and its store; "
+                "busy = whole machine (other users too); load = load average; recov s = kill to first full "
+                "iteration; RSS GB = sum over the job's processes; mem GB = drop of MemAvailable"]
     for (s, d), prof in profiles.items():
         say_head.append(f"profile {s}x{d} (ms): F {prof['F']} B {prof['B']} W {prof['W']}; {prof['source']}")
     for (s, d), c in costs_by_shape.items():
