@@ -1,0 +1,104 @@
+"""A pipeline layer that spends the time of a cost profile in F, B and W, and almost no CPU.
+
+:class:`EmulatedLayer` computes ``out = x + w`` (``w`` a tiny real parameter, so gradients exist and the
+optimizer step and the gradient all-reduce run for real) through two autograd nodes:
+
+- the *input path* (:class:`_InputPath`, on ``x``): its forward sleeps F, its backward sleeps B;
+- the *weight path* (:class:`_WeightPath`, on ``w``): its backward sleeps W.
+
+Autograd runs only the nodes on a path to the tensors it is asked for, so a backward that wants the input's
+gradient alone (ZB's B: ``torch.autograd.grad(out, x)``) runs the input path and sleeps B, one that wants
+the weights alone (ZB's W: ``backward(out, grad, inputs=[w])``) runs the weight path and sleeps W, and the
+fused backward of vanilla DeepSpeed (``backward(loss)``) runs both and sleeps B + W. No node depends on how
+``ctx.needs_input_grad`` was set at forward time, which does not change between the two halves.
+
+B is paid whenever autograd wants a gradient *below* the layer: the layer's input, or the output of an
+earlier module with parameters. On a first stage whose input is token ids, put a real module with
+parameters before it (an embedding, as in every GPT); otherwise nothing below needs B and it is skipped,
+as it would be on an accelerator.
+
+Sleeps are wall-clock (``time.sleep`` gives up the core), so a worker in a bubble is idle. The real work of
+the layer (an add of a ``[*, width]`` tensor) is microseconds; the sleep is not shortened by it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["OpCost", "EmulatedLayer"]
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Wall-clock seconds of one micro-batch's F, B (input gradient) and W (weight gradient) in one layer."""
+
+    f: float
+    b: float
+    w: float
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"OpCost.{name} = {value}: a duration in seconds must be >= 0")
+
+
+class _InputPath(torch.autograd.Function):
+    """Identity on ``x``; forward sleeps F, backward sleeps B."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, f: float, b: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.b = b
+        if f > 0:
+            time.sleep(f)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        if ctx.b > 0:
+            time.sleep(ctx.b)
+        return grad, None, None
+
+
+class _WeightPath(torch.autograd.Function):
+    """Identity on ``w``; backward sleeps W."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.w = seconds
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        if ctx.w > 0:
+            time.sleep(ctx.w)
+        return grad, None
+
+
+class EmulatedLayer(nn.Module):
+    """``out = x + weight`` over the last dimension, with F, B and W taking ``cost``'s wall-clock time.
+
+    ``x`` is a float tensor ``[..., width]``; ``weight`` (``width`` values, zeros at start) is the layer's
+    only parameter. ``EmulatedLayer(f=0.1, b=0.1, w=0.08, width=16)`` or ``EmulatedLayer(cost=OpCost(...))``.
+    """
+
+    def __init__(self, f: float = 0.0, b: float = 0.0, w: float = 0.0, width: int = 16,
+                 cost: OpCost | None = None) -> None:
+        super().__init__()
+        self.cost = cost if cost is not None else OpCost(f, b, w)
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            raise TypeError(f"EmulatedLayer takes a float activation, got {x.dtype}: put an embedding before it")
+        y = _InputPath.apply(x, self.cost.f, self.cost.b)
+        z = _WeightPath.apply(self.weight, self.cost.w)
+        return y + z
+
+    def extra_repr(self) -> str:
+        c = self.cost
+        return f"width={self.weight.numel()}, F={c.f * 1e3:g} ms, B={c.b * 1e3:g} ms, W={c.w * 1e3:g} ms"

@@ -1,0 +1,88 @@
+"""Train the emulated GPT with DeepSpeed, as a DeepSpeed user's pipeline script would.
+
+    deepspeed --num_accelerators 16 benchmarks/emulated/train.py --deepspeed_config ds.json \
+        --costs profile.json --stages 4 --steps 8
+
+(``PYTHONPATH`` must hold the repository root, for ``benchmarks.emulated``.) ``benchmarks/emulated_figure.py``
+runs it as is (vanilla DeepSpeed) and with the documented two-line change (``ds_recycle.initialize``) under
+``ds-recycle launch``. Workers absent from the start (the config's ``recycle.assume_failed``) need the module
+built on a grid with holes, as the built-in GPT does; only that branch uses ds_recycle's grid.
+
+Prints, on the rank that holds the loss, ``step N loss X t T`` after each step (``T``: wall clock, seconds)
+and ``event {...}`` for each ds_recycle event; at the end every rank prints ``cpu rank R s X iterations N``:
+its process CPU time over the steps after ``--warmup`` (all its threads: engine, transport, watchdogs).
+"""
+import argparse
+import cProfile
+import json
+import os
+import time
+
+import deepspeed
+import torch.distributed as dist
+
+from benchmarks.emulated.model import build
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="DeepSpeed pipeline training of the emulated GPT")
+    parser.add_argument("--costs", required=True, help="a profile: per-stage F, B, W in milliseconds")
+    parser.add_argument("--stages", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2, help="steps before the CPU time is counted")
+    parser.add_argument("--cprofile", default=None,
+                        help="write each rank's cProfile (main-thread CPU time) over the timed steps to DIR/rank<R>.prof")
+    parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
+    parser = deepspeed.add_config_arguments(parser)
+    return parser.parse_args()
+
+
+def build_module(args: argparse.Namespace) -> tuple:
+    costs = json.load(open(args.costs))
+    with open(args.deepspeed_config) as f:
+        recycle = json.load(f).get("recycle", {})
+    absent = recycle.get("assume_failed", [])
+    if not absent:
+        return build(costs, args.stages)
+    from ds_recycle.runtime.grid import SurvivorGrid, WorkerMap, survivor_module_grid
+
+    workers = WorkerMap.dense(args.stages, recycle["pipelines"], frozenset(tuple(w) for w in absent))
+    grid = SurvivorGrid(workers, timeout_s=recycle.get("failure_timeout_s", 300.0))
+    with survivor_module_grid(grid):
+        return build(costs, args.stages, topology=grid.topology())
+
+
+def main() -> None:
+    args = parse_args()
+    deepspeed.init_distributed()
+    net, dataset = build_module(args)
+    params = [p for p in net.parameters() if p.requires_grad]
+
+    engine, _, _, _ = deepspeed.initialize(args=args, model=net, model_parameters=params, training_data=dataset)
+
+    reporter = getattr(engine, "is_reporter", lambda: engine.global_rank == 0)
+    cpu0 = time.process_time()
+    profiler = cProfile.Profile(time.thread_time) if args.cprofile else None  # main-thread CPU, not wall
+    for step in range(args.steps):
+        if step == args.warmup:
+            cpu0 = time.process_time()
+            if profiler is not None:
+                profiler.enable()
+        loss = engine.train_batch()
+        stamp = time.time()
+        for event in getattr(engine, "recycle_events", list)():
+            print(f"event {json.dumps(event, default=str)}", flush=True)
+        if reporter():
+            print(f"step {step} loss {float(loss):.6f} t {stamp:.6f}", flush=True)
+    cpu = time.process_time() - cpu0
+    if profiler is not None:
+        profiler.disable()
+        os.makedirs(args.cprofile, exist_ok=True)
+        profiler.dump_stats(os.path.join(args.cprofile, f"rank{engine.global_rank}.prof"))
+    print(f"cpu rank {engine.global_rank} s {cpu:.4f} iterations {args.steps - args.warmup}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
