@@ -16,7 +16,7 @@ ds_recycle keeps that, with two differences that its exactness needs:
   so a re-routed micro-batch lands in the same fp32 sum wherever it ran.
 
 :class:`MasterWeightOptimizer` wraps the torch optimizer: its parameter groups point at the fp32 masters,
-its ``state_dict`` carries the masters with the optimizer state (so snapshots, the rejoin state transfer and
+its ``state_dict`` carries the masters with the optimizer state (so the rejoin and roll-forward state transfers and
 checkpoints carry them), and :meth:`MasterWeightOptimizer.step` copies the masters back into the module.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ class MasterWeightOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s content; the module's weights follow the restored masters.
 
-        The masters' gradients are dropped, as a restored stage (a snapshot, a checkpoint) has none yet.
+        The masters' gradients are dropped, as a restored stage (a state transfer, a checkpoint) has none yet.
         """
         if "fp32_master_weights" not in state:
             raise ValueError("this optimizer state has no fp32 master weights: it was not saved with bf16 enabled "
