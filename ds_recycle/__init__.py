@@ -25,35 +25,9 @@ def _disable_cpu_jit_ops() -> None:
 
 
 def _spare_cpu_jit() -> None:
-    import importlib.abc
-    import importlib.util
-    import sys
+    from ds_recycle._after_import import after_import
 
-    if "deepspeed" in sys.modules:
-        _disable_cpu_jit_ops()
-        return
-
-    class AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
-        """Finds ``deepspeed`` as the other finders do, and disables the op once its import has run."""
-
-        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-            if name != "deepspeed":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            if spec is None or spec.loader is None:
-                return spec
-            run = spec.loader.exec_module
-
-            def exec_module(module: Any) -> None:
-                run(module)
-                _disable_cpu_jit_ops()
-
-            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-            return spec
-
-    if not any(type(f).__name__ == "AfterDeepSpeedImport" for f in sys.meta_path):
-        sys.meta_path.insert(0, AfterDeepSpeedImport())
+    after_import("deepspeed", lambda _: _disable_cpu_jit_ops(), "ds_recycle: no CPU JIT ops")
 
 
 _spare_cpu_jit()

@@ -16,9 +16,6 @@ that does not use DeepSpeed pays nothing.
 from __future__ import annotations
 
 import faulthandler
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import runpy
 import signal
@@ -27,6 +24,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from types import ModuleType
 from typing import Any
+
+from ds_recycle._after_import import after_import
 
 __all__ = ["install_deepspeed_hook", "main"]
 
@@ -46,34 +45,9 @@ def _patch(deepspeed: ModuleType) -> None:
     deepspeed.comm.init_distributed = _recycle_init_distributed
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``deepspeed`` like the normal finders, and patches it right after it has executed."""
-
-    def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None,
-                  ) -> importlib.machinery.ModuleSpec | None:
-        if name != "deepspeed":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        run = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            _patch(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 def install_deepspeed_hook() -> None:
     """Route DeepSpeed's ``init_distributed`` through :func:`init_worker` (now, or when DeepSpeed is imported)."""
-    if "deepspeed" in sys.modules:
-        _patch(sys.modules["deepspeed"])
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    after_import("deepspeed", _patch, "ds_recycle: init_distributed")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
