@@ -633,7 +633,9 @@ class ResilientRunner:
                 self.comm.wait(self.comm.norm.all_reduce_sum(torch.zeros(1)), "end-of-training barrier")
                 self._finished = True
                 st = self.engine.stepper
-                logger.info("optimizer steps: %d, clipped %d", self.engine.global_steps, st.clipped_steps)
+                log = self.engine.boundary_log
+                logger.info("optimizer steps: %d, clipped %d; boundary log peak %d bytes", self.engine.global_steps,
+                            st.clipped_steps, log.peak_bytes if log is not None else 0)
             except PeerFailure as failure:
                 self._recover(failure)
                 self._advance(self._target)
