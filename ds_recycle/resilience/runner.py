@@ -373,21 +373,23 @@ class ResilientRunner:
         if decision.unrecoverable:
             self._fall_back(RuntimeError(f"iteration {k} cannot be repaired: {decision.unrecoverable}"))
         completing = self.rank in decision.repair.completing  # it holds the reduced gradients: only the step is left
+        rows: dict[Any, Any] = {}
         if not completing:
             eng.stepper.revert()  # a reduction whose step was not taken is undone (its rows were kept)
-        rows, loss_sum, progress, was_at = eng.stepper.partial_rows(), eng._loss_sum, eng.progress, eng.iteration
+            rows = eng.stepper.partial_rows()
+        loss_sum, progress, was_at = eng._loss_sum, eng.progress, eng.iteration
         self._install(comm, workers, plan)
         self._event("plan_switch", absent=sorted(list(w) for w in workers.absent()), rerouted=self.rerouted)
         moved = self._roll_forward(decision, reports)
         assert eng.boundary_log is not None
         eng.boundary_log.discard_from(k + 1)  # work of the next iteration, begun by committed stages, is redone
-        if completing:  # serves logs, then steps with the gradients it holds
+        if completing:  # serves logs, then steps with the reduced gradients it holds (no rows to adopt)
             progress = IterationProgress(k, awaiting_norm=True)
-        elif eng.stage_id in decision.committed:  # stepped k: only serve logs (and the norm) in its repair
-            rows, loss_sum, progress = {}, None, IterationProgress(k, stepped=True)
-        elif eng.stage_id in decision.dropped or progress.iteration != k:  # nothing of k kept on this stage
-            rows, loss_sum, progress = {}, None, IterationProgress(k)
-        if not completing:
+        else:
+            if eng.stage_id in decision.committed:  # stepped k: only serve logs (and the norm) in its repair
+                rows, loss_sum, progress = {}, None, IterationProgress(k, stepped=True)
+            elif eng.stage_id in decision.dropped or progress.iteration != k:  # nothing of k kept on this stage
+                rows, loss_sum, progress = {}, None, IterationProgress(k)
             eng.stepper.adopt_rows(rows)
         eng._loss_sum, eng.progress, eng.repair = loss_sum, progress, decision.repair
         if was_at < k:  # it stepped k - 1 but was still waiting for that iteration's loss: nobody re-sends it
