@@ -257,18 +257,13 @@ class Repair:
     def _missing(self, mb: MicroBatch, lo: int, hi: int) -> list[int]:
         return [s for s in range(lo, hi + 1) if mb not in self.w_done.get(s, frozenset())]
 
-    def unfinished(self, mb: MicroBatch, stage: int | None = None) -> bool:
-        """Whether ``mb`` has work left in ``stage``'s segment (None: in any segment)."""
-        if stage is not None:
-            return bool(self._missing(mb, *self.segment(stage)))
-        return any(mb not in self.w_done.get(s, frozenset()) for s in range(self.stages) if s not in self.committed)
+    def unfinished(self, mb: MicroBatch, stage: int) -> bool:
+        """Whether ``mb`` has work left in ``stage``'s segment."""
+        return bool(self._missing(mb, *self.segment(stage)))
 
-    def lowest_unfinished_stage(self, mb: MicroBatch, stage: int | None = None) -> int:
-        """The lowest stage of ``stage``'s segment (None: of all stages not committed) still missing ``mb``."""
-        if stage is not None:
-            return min(self._missing(mb, *self.segment(stage)))
-        return min(s for s in range(self.stages) if s not in self.committed
-                   and mb not in self.w_done.get(s, frozenset()))
+    def lowest_unfinished_stage(self, mb: MicroBatch, stage: int) -> int:
+        """The lowest stage of ``stage``'s segment still missing ``mb``."""
+        return min(self._missing(mb, *self.segment(stage)))
 
     def needed_from_logs(self, microbatches: Sequence[MicroBatch]) -> list[LogSource]:
         """Every tensor some segment needs from a committed neighbour, in a fixed order."""

@@ -22,8 +22,9 @@ def _plan(absent: list[tuple[int, int]], schedule: str = "zb-h1", stages: int = 
 def test_repair_keeps_finished_weight_gradients_and_forwards_unfinished_work_again() -> None:
     plan = _plan([(1, 0)])
     repair = Repair(2, {0: frozenset({(0, 0), (0, 1)}), 1: frozenset({(0, 0), (0, 1), (0, 2)})})
-    assert not repair.unfinished((0, 1)) and repair.unfinished((0, 2))
-    assert repair.lowest_unfinished_stage((0, 2)) == 0 and repair.lowest_unfinished_stage((1, 3)) == 0
+    # no stage has stepped: one segment spans every stage
+    assert not repair.unfinished((0, 1), 0) and repair.unfinished((0, 2), 1)
+    assert repair.lowest_unfinished_stage((0, 2), 1) == 0 and repair.lowest_unfinished_stage((1, 3), 1) == 0
     stage1 = Counter((it.kind, it.mb) for it in repair_items(worker_items(plan, (0, 1), 0), 1, repair))
     # (0, 2): forwarded again and its B recomputed to bring the gradient down to stage 0, but no second W
     assert stage1[(WorkKind.F, (0, 2))] == stage1[(WorkKind.B, (0, 2))] == 1 and not stage1[(WorkKind.W, (0, 2))]
