@@ -13,11 +13,19 @@ output, the sent gradient is the fresh input gradient, a received tensor is the 
 ``received``   activations received from the previous stage, output gradients from the next stage
 =============  ========================================================================================
 
-Entries of iteration ``k`` are dropped when the worker starts iteration ``k + 2``: by then every stage has
-stepped ``k`` (a stage starts ``k + 2`` only after the first stage's step of ``k + 1``, which needs every
-stage's input gradients of ``k + 1``, which every stage computes only after its step of ``k``). So the log
-holds at most two iterations: ``4 x M x`` (boundary tensor) per iteration on an interior stage, the order of
-the activations a stage holds anyway, in host memory.
+An entry is dropped as soon as no repair can ask for it:
+
+- what the worker *received* in iteration ``k``, at its own step of ``k``: its stage is then committed for
+  ``k`` and runs nothing of it again, and only an uncommitted stage asks for a received entry;
+- what it *sent* to a peer in iteration ``k``, when a message of iteration ``k + 1`` arrives from that peer:
+  the peer has begun ``k + 1``, so it stepped ``k`` and its stage is committed for ``k``;
+- anything of ``k`` left, when the worker starts ``k + 2``: by then every stage has stepped ``k`` (a stage
+  starts ``k + 2`` only after the first stage's step of ``k + 1``, which needs every stage's input gradients
+  of ``k + 1``, which every stage computes only after its step of ``k``).
+
+So the log holds about one iteration of boundary tensors, at most ``4 x M x`` (boundary tensor) on an
+interior stage (``2 x M x`` on the first and last), of the order of the activations a stage holds anyway, in
+host memory. :attr:`BoundaryLog.peak_bytes` is the most it referenced at once.
 
 Sends of an iteration complete before the stage steps (``WaitSends`` precedes
 ``StaggeredOptimizerStep``), so whatever a stepped worker sent, its receiver holds: a tensor is lost only
@@ -57,11 +65,41 @@ class BoundaryLog:
 
     def __init__(self) -> None:
         self._entries: dict[LogKey, Payload] = {}
+        self._to: dict[LogKey, int] = {}
+        """Sent entries -> the rank they went to."""
+        self._heard: set[tuple[int, int]] = set()
+        """``(iteration, peer)`` pairs whose first message released that peer's entries of the iteration before."""
+        self._bytes = 0
         self.peak_bytes = 0
         """The most bytes the log has referenced at once (tensors it keeps alive, not copies)."""
 
-    def record(self, iteration: int, channel: Channel, role: Role, mb: MicroBatch, payload: Payload) -> None:
-        self._entries[(iteration, channel, role, (mb[0], mb[1]))] = payload
+    def record(self, iteration: int, channel: Channel, role: Role, mb: MicroBatch, payload: Payload,
+               peer: int | None = None) -> None:
+        """Keep ``payload``; ``peer``: the rank a sent entry went to, or the rank a received one came from."""
+        key = (iteration, channel, role, (mb[0], mb[1]))
+        self._drop(key)
+        self._entries[key] = payload
+        self._bytes += _nbytes(payload)
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+        if role is Role.SENT and peer is not None:
+            self._to[key] = peer
+        elif role is Role.RECEIVED and peer is not None:
+            self.heard_from(iteration, peer)
+
+    def heard_from(self, iteration: int, peer: int) -> None:
+        """A message of ``iteration`` came from ``peer``: it stepped ``iteration - 1``, so what this worker sent it
+        then is final."""
+        if (iteration, peer) in self._heard:
+            return
+        self._heard = {h for h in self._heard if h[0] >= iteration - 1}
+        self._heard.add((iteration, peer))
+        for key in [key for key, to in self._to.items() if to == peer and key[0] == iteration - 1]:
+            self._drop(key)
+
+    def stepped(self, iteration: int) -> None:
+        """This worker took its step of ``iteration``: its stage is committed, nothing it received then is asked for."""
+        for key in [key for key in self._entries if key[0] == iteration and key[2] is Role.RECEIVED]:
+            self._drop(key)
 
     def get(self, iteration: int, channel: Channel, role: Role, mb: MicroBatch) -> Payload:
         try:
@@ -78,17 +116,24 @@ class BoundaryLog:
 
     def begin(self, iteration: int) -> None:
         """A new iteration starts: forget what every stage has stepped already (``< iteration - 1``)."""
-        size = self.nbytes()
-        self.peak_bytes = max(self.peak_bytes, size)
-        self._entries = {key: v for key, v in self._entries.items() if key[0] >= iteration - 1}
+        for key in [key for key in self._entries if key[0] < iteration - 1]:
+            self._drop(key)
 
     def discard_from(self, iteration: int) -> None:
         """Forget ``iteration`` and later ones (work that is thrown away and done again)."""
-        self._entries = {key: v for key, v in self._entries.items() if key[0] < iteration}
+        for key in [key for key in self._entries if key[0] >= iteration]:
+            self._drop(key)
+        self._heard = {h for h in self._heard if h[0] < iteration}
 
     def nbytes(self) -> int:
         """Bytes of the tensors referenced now (shared storage counted once per entry)."""
-        return sum(_nbytes(v) for v in self._entries.values())
+        return self._bytes
+
+    def _drop(self, key: LogKey) -> None:
+        payload = self._entries.pop(key, None)
+        if payload is not None:
+            self._bytes -= _nbytes(payload)
+        self._to.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._entries)

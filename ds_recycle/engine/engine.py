@@ -585,7 +585,7 @@ class RecyclePipelineEngine(PipelineEngine):
         detached = _detached(output)
         self.channel.send(detached, peer, Channel.ACTIVATION, self.iteration, mb)
         if self.boundary_log is not None:
-            self.boundary_log.record(self.iteration, Channel.ACTIVATION, Role.SENT, mb, detached)
+            self.boundary_log.record(self.iteration, Channel.ACTIVATION, Role.SENT, mb, detached, peer)
 
     def _exec_recv_activation_from(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         slot = self._slot(buffer_id, micro_batch)
@@ -596,7 +596,7 @@ class RecyclePipelineEngine(PipelineEngine):
         else:
             received = self.channel.recv_activation(peer, self.iteration, mb)
         if self.boundary_log is not None:
-            self.boundary_log.record(self.iteration, Channel.ACTIVATION, Role.RECEIVED, mb, received)
+            self.boundary_log.record(self.iteration, Channel.ACTIVATION, Role.RECEIVED, mb, received, peer)
         for tensor in (received,) if isinstance(received, torch.Tensor) else received:
             if tensor.is_floating_point():  # as DeepSpeed: every floating-point input gets a gradient
                 tensor.requires_grad_(True)
@@ -608,7 +608,7 @@ class RecyclePipelineEngine(PipelineEngine):
         mb = (micro_batch[0], micro_batch[1])
         self.channel.send(slot.input_grad, peer, Channel.GRAD, self.iteration, mb)
         if self.boundary_log is not None:
-            self.boundary_log.record(self.iteration, Channel.GRAD, Role.SENT, mb, slot.input_grad)
+            self.boundary_log.record(self.iteration, Channel.GRAD, Role.SENT, mb, slot.input_grad, peer)
         slot.input_grad = None
 
     def _exec_recv_grad_from(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
@@ -622,7 +622,7 @@ class RecyclePipelineEngine(PipelineEngine):
             slot.grad_output = self.channel.recv_like(grad_buffers(slot.output), peer, Channel.GRAD, self.iteration,
                                                       mb)
         if self.boundary_log is not None:
-            self.boundary_log.record(self.iteration, Channel.GRAD, Role.RECEIVED, mb, slot.grad_output)
+            self.boundary_log.record(self.iteration, Channel.GRAD, Role.RECEIVED, mb, slot.grad_output, peer)
 
     def _exec_send_logged_to(self, micro_batch: ins.MicroBatch, peer: int, grad: bool, received: bool) -> None:
         assert self.boundary_log is not None, "a repair that serves boundary logs needs the log"
@@ -655,6 +655,8 @@ class RecyclePipelineEngine(PipelineEngine):
     def _exec_complete_optimizer_step(self, synchronous: bool = False) -> None:
         self.stepper.step(self.iteration, synchronous)
         self.progress.stepped = True
+        if self.boundary_log is not None:
+            self.boundary_log.stepped(self.iteration)
         self._loss_sum = None
         self.global_steps += 1
         self.global_samples += self.train_batch_size()

@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["EpochGroup", "FailureProbe", "PeerFailure", "ThreadedWork", "Work", "bounded_wait"]
 
 
+_BREAK_TAG = 2**31 - 1
+"""The tag of :meth:`EpochGroup.break_links`'s receive: no message ever carries it."""
+
+
 class PeerFailure(RuntimeError):
     """A peer died or a wait ran past its bound: the membership must be agreed again."""
 
@@ -201,36 +205,47 @@ def bounded_wait(work: Work, probe: FailureProbe | None, timeout_s: float, what:
                  poll_s: float = 0.01) -> None:
     """Wait for ``work``; raise :class:`PeerFailure` on a member's failure or after ``timeout_s``.
 
-    The waiting thread sleeps on an event set by the work's completion (see :class:`ThreadedWork`) or, when
-    ``probe`` has a :class:`~ds_recycle.resilience.watchdog.Watchdog`, by its trip (a member exited or hung);
-    the probe then costs no store call. Without a watchdog it wakes every ``poll_s`` to read the probe.
-    Only the training thread waits this way (the works it wraps are waited for in order).
+    When ``probe`` has a :class:`~ds_recycle.resilience.watchdog.Watchdog`, the epoch's groups are in its guard:
+    the training thread blocks in gloo's own ``wait()`` (no thread hand-off, no polling), bounded by the group's
+    timeout (``timeout_s``, the same bound), and a trip breaks the groups (:meth:`EpochGroup.break_links`), which
+    makes the wait raise at once. Without a watchdog the thread sleeps on an event set by the work's completion
+    (see :class:`ThreadedWork`) and wakes every ``poll_s`` to read the probe.
     """
+    watchdog = probe.watchdog if probe is not None else None
+    if watchdog is not None:
+        if probe is not None and probe.failed():
+            raise PeerFailure(f"{what}: {_reason(watchdog)} before waiting")
+        try:
+            work.wait()
+        except RuntimeError as e:  # a broken group, the dead pair's error, or the group's timeout
+            cause = _reason(watchdog) if watchdog.tripped() else str(e)
+            raise PeerFailure(f"{what}: {cause}") from e
+        return
     if work.is_completed():
         _finish(work, what)
         return
     deadline = time.monotonic() + timeout_s
     threaded = work if isinstance(work, ThreadedWork) else ThreadedWork(work)
-    watchdog = probe.watchdog if probe is not None else None
     wake = threading.Event()
     threaded.notify(wake)
     try:
-        with watchdog.waking(wake) if watchdog is not None else contextlib.nullcontext():
-            while not threaded.is_completed():
-                if probe is not None and probe.failed():
-                    reason = (watchdog.declared.reason if watchdog is not None and watchdog.declared
-                              else "a worker exited")
-                    raise PeerFailure(f"{what}: {reason} while waiting")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PeerFailure(f"{what}: no completion within {timeout_s} s "
-                                      "(raise the timeout if peers are slow)")
-                wake.wait(remaining if watchdog is not None else min(remaining, poll_s))
+        while not threaded.is_completed():
+            if probe is not None and probe.failed():
+                raise PeerFailure(f"{what}: a worker exited while waiting")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerFailure(f"{what}: no completion within {timeout_s} s "
+                                  "(raise the timeout if peers are slow)")
+            wake.wait(min(remaining, poll_s))
     except PeerFailure:
         if not threaded.is_completed():
             _retire_waiter(threaded.waiter)  # it may stay blocked in the dead group: later works get a new one
         raise
     _finish(threaded, what)
+
+
+def _reason(watchdog: Watchdog) -> str:
+    return watchdog.declared.reason if watchdog.declared else "a worker exited"
 
 
 def _finish(work: Work, what: str) -> None:
@@ -253,9 +268,32 @@ class EpochGroup:
             raise ValueError(f"rank {rank} is not a member of group {name} {self.members}")
         self.name = name
         self.index = {r: i for i, r in enumerate(self.members)}
+        self.index_of_self = self.index[rank]
         self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"ds_recycle/pg/{name}/", store), self.index[rank],
                                              len(self.members), timedelta(seconds=timeout_s))
         """The gloo group (typed Any: torch's stubs for ProcessGroupGloo lack its collectives)."""
+
+    def break_links(self) -> None:
+        """Fail every pending and later operation of this group at once, here and at its members (the watchdog's
+        answer to a trip: the epoch is over, and a wait blocked in gloo must not sit out the group's timeout).
+
+        Gloo has no abort for a pending send or receive, but an operation whose wait expires closes every pair
+        of the group's context; so a receive that nobody sends is posted and given a millisecond: from any
+        source, or else from each member in turn (posting on the pair of a dead member fails at once).
+        """
+        if len(self.members) < 2:
+            return  # nothing of a group of one ever waits on a peer
+        sources: list[int | None] = [None, *(i for i in range(len(self.members)) if i != self.index_of_self)]
+        for source in sources:
+            try:
+                work = (self.pg.recv_anysource([torch.zeros(1)], _BREAK_TAG) if source is None
+                        else self.pg.recv([torch.zeros(1)], source, _BREAK_TAG))
+            except RuntimeError:
+                continue
+            try:
+                work.wait(timedelta(milliseconds=1))
+            except RuntimeError:
+                return  # expired: the context closed its pairs
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         with self._posting(f"send to rank {dst}"):

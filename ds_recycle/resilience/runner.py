@@ -163,8 +163,10 @@ class ResilientRunner:
                                self.watchdog, self.cfg.recycle.failure_timeout_s, f"building epoch {self.epoch}{tag}")
         except RuntimeError as e:  # a member died while the groups were being connected
             raise PeerFailure(f"building the groups of epoch {self.epoch}: {e}") from e
-        comm.probe.incarnations, comm.probe.watchdog = dict(incarnations), self.watchdog
         self._tied_groups = self._build_tied(f"e{self.epoch}g{self.generation}{tag}", store)
+        # Waits block in gloo from here on: a trip of the watch breaks every group of the epoch.
+        self.watchdog.guard([comm.p2p, comm.norm, comm.stage, *self._tied_groups.values()])
+        comm.probe.incarnations, comm.probe.watchdog = dict(incarnations), self.watchdog
         return comm
 
     def _build_tied(self, prefix: str, store: Any) -> dict[str, EpochGroup]:
@@ -231,13 +233,20 @@ class ResilientRunner:
         self._fire(Phase.OPTIMIZER_STEP)
 
     def _wrap_handlers(self) -> None:
-        """Before every instruction: look for a member's exit (one store read), and fire due faults."""
+        """Before every instruction: look at the watchdog's flag for a member's failure, and fire due faults."""
         table = dict(self.engine._INSTRUCTION_MAP)
         for kind, handler in table.items():
             table[kind] = self._wrapped(handler, _PHASES.get(kind))
         self.engine._INSTRUCTION_MAP = table  # instance attribute: _exec_schedule looks it up on self
 
     def _wrapped(self, handler: Any, phase: Phase | None) -> Any:
+        if phase is None or not (self.injector.pending or self.join_injector.pending):
+            def check(engine: Any, **kwargs: Any) -> Any:  # no fault aimed at this worker: the failure check only
+                if self.comm.probe.failed():
+                    raise PeerFailure("a member exited (seen between instructions)")
+                return handler(engine, **kwargs)
+            return check
+
         def run(engine: Any, **kwargs: Any) -> Any:
             # A survivor busy computing learns of a failure at its next instruction, not at its next wait.
             if self.comm.probe.failed():
@@ -319,6 +328,12 @@ class ResilientRunner:
                 self._recover(failure)
         return loss
 
+    def _reason(self, failure: PeerFailure) -> str:
+        """Why the epoch ended: the failure's own words, and the watchdog's finding when they lack it (a wait may
+        have seen only the group that another member's watchdog broke)."""
+        declared, text = self.watchdog.declared, str(failure)
+        return f"{text}; watchdog: {declared.reason}" if declared is not None and declared.reason not in text else text
+
     def _note_recovered(self) -> None:
         rec, self._recovery = self._recovery, None
         if rec is None:
@@ -354,7 +369,7 @@ class ResilientRunner:
         dead = sorted(set(self.members) - set(members))
         killed = [float(self.store.get(self._fault_key(q))) for q in dead if self.store.check([self._fault_key(q)])]
         self._event("failure", lost_ranks=dead, lost_workers=[list(self.workers.worker_of_rank(q)) for q in dead],
-                    reason=str(failure), epoch=self.epoch)
+                    reason=self._reason(failure), epoch=self.epoch)
         workers = self._workers_of(members)
         self.members = members
         self.workers = workers

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from ds_recycle.engine.optimizer import StaggeredOptimizer
 from ds_recycle.engine.p2p import PeerChannel
-from ds_recycle.resilience.comm import EpochGroup, FailureProbe, ThreadedWork, bounded_wait
+from ds_recycle.resilience.comm import EpochGroup, FailureProbe, bounded_wait
 
-__all__ = ["BoundedChannel", "BoundedOptimizer", "EpochComm", "ThreadedWork"]
+__all__ = ["BoundedChannel", "BoundedOptimizer", "EpochComm"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +69,17 @@ class BoundedChannel(PeerChannel):
         self._pending.append((self.comm.p2p.send(tensor, peer, tag), tensor))
 
     def _recv(self, buffer: torch.Tensor, peer: int, tag: int) -> None:
-        self.comm.wait(ThreadedWork(self.comm.p2p.recv(buffer, peer, tag)), f"receive tag {tag} from rank {peer}")
+        self.comm.wait(self.comm.p2p.recv(buffer, peer, tag), f"receive tag {tag} from rank {peer}")
 
     def _recv_parts(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
-        works = [ThreadedWork(self.comm.p2p.recv(b, peer, t)) for b, t in zip(buffers, tags)]
+        works = [self.comm.p2p.recv(b, peer, t) for b, t in zip(buffers, tags)]
         for work, tag in zip(works, tags):
             self.comm.wait(work, f"receive tag {tag} from rank {peer}")
 
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
         for work, _ in pending:
-            self.comm.wait(ThreadedWork(work), "send completion")
+            self.comm.wait(work, "send completion")
 
 
 class BoundedOptimizer(StaggeredOptimizer):

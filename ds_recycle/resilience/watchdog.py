@@ -23,10 +23,11 @@ store client:
 The training thread reads only the watchdog's flags (:meth:`Watchdog.tripped`, :meth:`Watchdog.current`):
 no store call per instruction or wait once the watch of the epoch has been checked.
 
-Tripping sets every event registered with :meth:`Watchdog.waking`, so a wait blocked on such an event (see
-:func:`~ds_recycle.resilience.comm.bounded_wait`) returns at once and raises
-:class:`~ds_recycle.resilience.comm.PeerFailure`. Nothing busy-polls: the training thread blocks on an
-event, the exit waiter blocks on the store, the timer sleeps between its reads.
+Tripping breaks the epoch's groups registered with :meth:`Watchdog.guard`, so a training thread blocked in
+gloo's own wait (see :func:`~ds_recycle.resilience.comm.bounded_wait`) raises at once and the wait becomes a
+:class:`~ds_recycle.resilience.comm.PeerFailure`; it also sets every event registered with
+:meth:`Watchdog.waking` (for calls that block without a work, see :func:`run_guarded`). Nothing busy-polls: the
+training thread blocks in gloo, the exit waiter blocks on the store, the timer sleeps between its reads.
 
 A member stopped for less than ``stale_after_s`` and then resumed is declared nothing: its heartbeat thread
 resumes with it and its counter moves again.
@@ -41,14 +42,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
 from ds_recycle.resilience.store import StoreKeys, incarnation
 from ds_recycle.runtime import job_store as launcher_store
 
-__all__ = ["Declaration", "Watchdog", "run_guarded", "watch_members"]
+__all__ = ["Declaration", "Guarded", "Watchdog", "run_guarded", "watch_members"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class Watchdog:
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved)
         self._checked = 0  # the latest watch (epoch) whose members' exit keys a thread has looked at
         self._waiters: set[threading.Event] = set()
+        self._guarded: tuple[Guarded, ...] = ()
         self.declared: Declaration | None = None
         """Why the current epoch's watch tripped (None: it has not)."""
         self.hung: set[int] = set()
@@ -123,6 +125,7 @@ class Watchdog:
             self._seen = {r: v for r, v in self._seen.items() if r in self._members}
             self.declared = None
             self.hung = set()
+            self._guarded = ()  # the past epoch's groups are retired
 
     def tripped(self) -> bool:
         return self.declared is not None
@@ -130,6 +133,15 @@ class Watchdog:
     def current(self) -> bool:
         """The members of the latest :meth:`arm` have been looked at since: :meth:`tripped` tells all."""
         return self._checked == self._epoch
+
+    def guard(self, groups: Sequence[Guarded]) -> None:
+        """A trip of the current watch breaks ``groups`` (at once if it has tripped already): a training thread
+        blocked in one of their waits raises instead of sitting out the group's timeout."""
+        with self._lock:
+            self._guarded = tuple(groups)
+            tripped = self.declared is not None
+        if tripped:
+            _break(groups)
 
     @contextlib.contextmanager
     def waking(self, event: threading.Event) -> Iterator[None]:
@@ -228,11 +240,26 @@ class Watchdog:
             self.declared = found
             if found.hung:
                 self.hung.add(found.rank)
-            waiters = list(self._waiters)
+            waiters, guarded = list(self._waiters), self._guarded
         logger.warning("watchdog: %s", found.reason,
                        extra={"event": "watchdog", "rank": found.rank, "hung": found.hung})
+        _break(guarded)
         for event in waiters:
             event.set()
+
+
+class Guarded(Protocol):
+    """A group the watchdog breaks when it trips (:meth:`~ds_recycle.resilience.comm.EpochGroup.break_links`)."""
+
+    def break_links(self) -> None: ...
+
+
+def _break(groups: Sequence[Guarded]) -> None:
+    for group in groups:
+        try:
+            group.break_links()
+        except Exception:  # a group already torn down: nothing of it can block
+            logger.debug("breaking a group failed", exc_info=True)
 
 
 def _request_fence(store: dist.Store, rank: int, restart_count: int, reason: str) -> None:

@@ -51,10 +51,16 @@ import sys, time, torch.distributed as dist
 from datetime import timedelta
 from ds_recycle.resilience.comm import EpochGroup
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timeout=timedelta(seconds=30))
-group = EpochGroup(store, "post", [0, 1], 1, 30.0)
+group = EpochGroup(store, sys.argv[2], [int(r) for r in sys.argv[3].split(",")], int(sys.argv[4]), 30.0)
 print("READY", flush=True)
 time.sleep(60)
 """
+
+
+def _peer(port: int, name: str = "post", members: str = "0,1", rank: int = 1) -> subprocess.Popen[str]:
+    """A member ``rank`` of the group ``name`` over ``members`` that connects and then sleeps (a silent peer)."""
+    return subprocess.Popen([sys.executable, "-c", _PEER, str(port), name, members, str(rank)], env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 @pytest.mark.multiprocess
@@ -66,8 +72,7 @@ def test_posting_to_a_dead_peer_is_a_peer_failure() -> None:
     from ds_recycle.resilience.comm import EpochGroup, PeerFailure
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(store.port)], env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    peer = _peer(store.port)
     try:
         group = EpochGroup(store, "post", [0, 1], 0, 30.0)
         assert peer.stdout is not None and "READY" in peer.stdout.readline()
@@ -81,3 +86,37 @@ def test_posting_to_a_dead_peer_is_a_peer_failure() -> None:
     finally:
         if peer.poll() is None:
             peer.kill()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_breaking_a_group_fails_a_blocked_receive_at_once_even_with_a_dead_member() -> None:
+    """What the watchdog does at a trip: a receive blocked on a live but silent member raises within moments (not at
+    the group's 30 s timeout), though the pair of another member is already closed; later operations fail too."""
+    import threading
+
+    import torch
+
+    from ds_recycle.resilience.comm import EpochGroup, PeerFailure, bounded_wait
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    peers = {r: _peer(store.port, "brk", "0,1,2", r) for r in (1, 2)}
+    try:
+        group = EpochGroup(store, "brk", [0, 1, 2], 0, 30.0)
+        for p in peers.values():
+            assert p.stdout is not None and "READY" in p.stdout.readline()
+        peers[1].send_signal(signal.SIGKILL)  # its pair is closed: a receive cannot be posted there
+        peers[1].wait(timeout=10)
+        silent = group.recv(torch.zeros(4), 2, 5)  # rank 2 lives and never sends
+        timer = threading.Timer(0.5, group.break_links)
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(PeerFailure, match="blocked receive"):
+            bounded_wait(silent, None, 30.0, "blocked receive", poll_s=0.05)
+        assert time.monotonic() - start < 5.0
+        with pytest.raises(PeerFailure):
+            bounded_wait(group.send(torch.ones(4), 2, 6), None, 30.0, "later send", poll_s=0.05)
+    finally:
+        for p in peers.values():
+            if p.poll() is None:
+                p.kill()

@@ -103,4 +103,23 @@ def test_boundary_log_keeps_two_iterations_and_forgets_thrown_away_work() -> Non
     with pytest.raises(RuntimeError, match="received activation of micro-batch"):
         log.get(3, Channel.ACTIVATION, Role.RECEIVED, (0, 1))
     log.discard_from(3)
-    assert len(log) == 2 and not list(log.held(3))
+    assert len(log) == 2 and not list(log.held(3)) and log.nbytes() == 32
+
+
+def test_boundary_log_releases_received_entries_at_the_step_and_sent_ones_when_the_peer_moves_on() -> None:
+    log = BoundaryLog()
+    log.begin(5)
+    log.record(5, Channel.ACTIVATION, Role.SENT, (0, 0), torch.ones(4), peer=3)  # to the next stage
+    log.record(5, Channel.ACTIVATION, Role.SENT, (1, 0), torch.ones(4), peer=7)  # a re-routed micro-batch
+    log.record(5, Channel.GRAD, Role.RECEIVED, (0, 0), torch.ones(4), peer=3)
+    log.record(5, Channel.ACTIVATION, Role.RECEIVED, (0, 0), torch.ones(4), peer=1)
+    log.stepped(5)  # its stage is committed for 5: nothing it received then is asked for
+    assert sorted(role.value for _, role, _ in log.held(5)) == ["sent", "sent"]
+    log.begin(6)
+    log.record(6, Channel.ACTIVATION, Role.RECEIVED, (0, 0), torch.ones(4), peer=1)  # rank 1 gave nothing back
+    assert len(list(log.held(5))) == 2
+    log.record(6, Channel.GRAD, Role.RECEIVED, (0, 0), torch.ones(4), peer=3)  # rank 3 began 6: it stepped 5
+    assert [mb for _, _, mb in log.held(5)] == [(1, 0)]  # what went to rank 7 stays until rank 7 moves on
+    assert log.nbytes() == 3 * 16 and log.peak_bytes == 4 * 16
+    log.heard_from(6, 7)
+    assert not list(log.held(5))
