@@ -169,15 +169,16 @@ def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
                        peer: Callable[[int, MicroBatch], int], synchronous: bool,
                        fuse_adjacent_bw: bool = False,
                        sends_grad: Callable[[MicroBatch], bool] | None = None,
-                       sends_activation: bool = True,
+                       sends_activation: Callable[[MicroBatch], bool] | None = None,
                        ) -> tuple[list[list[PipeInstruction]], int]:
     """Lower one iteration of a worker's ops to DeepSpeed steps; returns ``(steps, buffers needed)``.
 
     ``peer(stage, mb)`` is the global rank that runs ``mb`` at ``stage``. ``fuse_adjacent_bw``: run a B
     that the same micro-batch's W directly follows as one fused backward (always done on the first stage).
     ``sends_grad(mb)``: whether the B of ``mb`` sends its input gradient upstream (default: on every stage but
-    the first; a repair leaves it out where the upstream stage has no B to run). ``sends_activation``: whether
-    F sends its output downstream (a repair leaves it out when the next stage has stepped already).
+    the first; a repair leaves it out where the upstream stage has no B to run). ``sends_activation(mb)``: whether
+    the F of ``mb`` sends its output downstream (default: on every stage but the last; a repair leaves it out
+    where the next stage runs nothing of ``mb``).
     """
     first, last = stage == 0, stage == stages - 1
     fuse = fuse_adjacent_bw or first
@@ -197,7 +198,7 @@ def lower_worker_items(items: Sequence[WorkItem], stage: int, stages: int,
             if first or last:
                 cmds.append(LoadMicroBatchOf(buf, micro_batch=mb))
             cmds.append(ForwardMicroBatch(buf, micro_batch=mb))
-            if not last and sends_activation:
+            if not last and (sends_activation is None or sends_activation(mb)):
                 cmds.append(SendActivationTo(buf, micro_batch=mb, peer=peer(stage + 1, mb)))
         elif item.kind is WorkKind.B:
             buf = slots.of[mb]
@@ -224,12 +225,14 @@ class Repair:
 
     ``committed`` stages stepped the iteration before the failure: they run none of it again. The other
     stages form *segments* (maximal runs of stages that have not stepped). ``w_done[s]`` holds the
-    micro-batches whose weight gradient stage ``s`` has already accumulated (by a worker still alive); in a
-    segment, a micro-batch missing from some stage's ``w_done`` is *unfinished*: it is forwarded through the
-    segment again (its activations died with the old groups), its B runs from its lowest unfinished stage of
-    the segment up (to bring the input gradient down to it), and its W only where missing. What a segment
-    needs from a committed neighbour (the activation into its first stage, the output gradient into its last)
-    comes from a boundary log: ``sources`` names the live rank that holds each.
+    micro-batches whose weight gradient stage ``s`` has already accumulated (by a worker still alive); a
+    micro-batch missing from some stage's ``w_done`` runs again over its *span*: from the lowest to the highest
+    stage of its segment that misses it (its activations there died with the old groups). Its F and B run at
+    every stage of the span, its W only where missing. What the span needs from beyond it (the activation into
+    its first stage, the output gradient into its last) comes from a boundary log, whether that neighbour is
+    committed or finished the micro-batch without stepping: ``sources`` names the live rank that holds each.
+    A micro-batch in ``whole`` (a tensor its span would need is held by no live worker) runs over its whole
+    segment instead: forwarded from the segment's first stage, its B from its lowest missing stage up.
     """
 
     stages: int
@@ -239,6 +242,7 @@ class Repair:
     completing: frozenset[int] = frozenset()
     """Ranks of committed stages that hold their stage's reduced gradients and still have to step (they waited
     only for the clipping norm): they step in the repair (:class:`CompleteOptimizerStep`)."""
+    whole: frozenset[MicroBatch] = frozenset()
 
     @property
     def steps_anywhere(self) -> bool:
@@ -257,28 +261,37 @@ class Repair:
     def _missing(self, mb: MicroBatch, lo: int, hi: int) -> list[int]:
         return [s for s in range(lo, hi + 1) if mb not in self.w_done.get(s, frozenset())]
 
-    def unfinished(self, mb: MicroBatch, stage: int) -> bool:
-        """Whether ``mb`` has work left in ``stage``'s segment."""
-        return bool(self._missing(mb, *self.segment(stage)))
+    def span(self, mb: MicroBatch, stage: int) -> tuple[int, int] | None:
+        """The first and last stage that run ``mb`` again in ``stage``'s segment (None: it is finished there)."""
+        lo, hi = self.segment(stage)
+        missing = self._missing(mb, lo, hi)
+        if not missing:
+            return None
+        return (lo, hi) if mb in self.whole else (missing[0], missing[-1])
+
+    def runs(self, mb: MicroBatch, stage: int) -> bool:
+        """Whether ``stage`` (not committed) runs anything of ``mb`` again."""
+        span = self.span(mb, stage)
+        return span is not None and span[0] <= stage <= span[1]
 
     def lowest_unfinished_stage(self, mb: MicroBatch, stage: int) -> int:
-        """The lowest stage of ``stage``'s segment still missing ``mb``."""
+        """The lowest stage of ``stage``'s segment still missing ``mb``: B runs from there up."""
         return min(self._missing(mb, *self.segment(stage)))
 
     def needed_from_logs(self, microbatches: Sequence[MicroBatch]) -> list[LogSource]:
-        """Every tensor some segment needs from a committed neighbour, in a fixed order."""
+        """Every tensor a span needs from beyond it, in a fixed order."""
         needed: list[LogSource] = []
         for lo in range(self.stages):
             if lo in self.committed or (lo > 0 and lo - 1 not in self.committed):
                 continue  # not the first stage of a segment
-            hi = self.segment(lo)[1]
             for mb in microbatches:
-                if not self._missing(mb, lo, hi):
+                span = self.span(mb, lo)
+                if span is None:
                     continue
-                if lo > 0:
-                    needed.append((False, lo, mb))
-                if hi < self.stages - 1:
-                    needed.append((True, hi, mb))
+                if span[0] > 0:
+                    needed.append((False, span[0], mb))
+                if span[1] < self.stages - 1:
+                    needed.append((True, span[1], mb))
         return needed
 
 
@@ -294,7 +307,7 @@ def repair_items(items: Sequence[WorkItem], stage: int, repair: Repair) -> list[
             continue
         mb = item.mb
         assert mb is not None
-        if not repair.unfinished(mb, stage):
+        if not repair.runs(mb, stage):
             continue
         if (item.kind is WorkKind.F or (item.kind is WorkKind.B and stage >= repair.lowest_unfinished_stage(mb, stage))
                 or (item.kind is WorkKind.W and mb not in done)):
@@ -354,19 +367,19 @@ class PlanSchedule(PipeSchedule):
         self.iteration = iteration
         self.items = worker_items(plan, worker, min(iteration, plan.iterations - 1))
         _check_items(self.items, worker, plan.microbatches, plan.pipelines)
-        sends_grad = None
-        sends_activation = True
+        sends_grad: Callable[[MicroBatch], bool] | None = None
+        sends_activation: Callable[[MicroBatch], bool] | None = None
         stage = worker[1]
 
         def peer(at: int, mb: MicroBatch) -> int:
-            if repair is not None and at in repair.committed:  # a committed neighbour's tensors come from a log
-                return repair.sources[(at > stage, stage, mb)]
+            if repair is not None and not (at not in repair.committed and repair.runs(mb, at)):
+                return repair.sources[(at > stage, stage, mb)]  # a neighbour that runs nothing of mb: its log
             return rank_of(plan.worker_of(at, mb))
 
         if repair is not None:  # the rest of an interrupted iteration: a subsequence of a checked one
             self.items = repair_items(self.items, stage, repair)
             sends_grad = lambda mb: stage > repair.lowest_unfinished_stage(mb, stage)  # noqa: E731
-            sends_activation = stage + 1 not in repair.committed
+            sends_activation = lambda mb: stage + 1 not in repair.committed and repair.runs(mb, stage + 1)  # noqa: E731
 
         if forward_only:  # evaluation: the plan's forwards, in its order and routing
             self.items = [item for item in self.items if item.kind is WorkKind.F]

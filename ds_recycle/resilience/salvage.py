@@ -146,19 +146,27 @@ def decide(reports: Mapping[int, Report], new_plan: PlanLike, workers: WorkerMap
         if stages & committed and stages - committed:
             unrecoverable = (f"a weight tied across stages {sorted(stages)} was stepped on stages "
                              f"{sorted(stages & committed)} but not on {sorted(stages - committed)}")
-    base = Repair(new_plan.stages, w_done, frozenset(committed))
     mbs = [(d, i) for d in range(new_plan.pipelines) for i in range(new_plan.microbatches)]
-    sources: dict[LogSource, int] = {}
-    for need in base.needed_from_logs(mbs):
-        holder = _holder(need, k, reports, new_plan, workers)
-        if holder is None:
-            grad, stage, mb = need
-            unrecoverable = unrecoverable or (
-                f"the {'gradient' if grad else 'activation'} of micro-batch {mb} into stage {stage} of iteration "
-                f"{k} is held by no live worker (its sender and its receiver both failed)")
-            continue
-        sources[need] = holder
-    repair = Repair(new_plan.stages, w_done, frozenset(committed), sources, frozenset(completing))
+    whole: set[MicroBatch] = set()
+    while True:  # a span that needs a tensor no live worker holds runs over its whole segment instead
+        base = Repair(new_plan.stages, w_done, frozenset(committed), whole=frozenset(whole))
+        sources: dict[LogSource, int] = {}
+        lost: list[LogSource] = []
+        for need in base.needed_from_logs(mbs):
+            holder = _holder(need, k, reports, new_plan, workers)
+            if holder is None:
+                lost.append(need)
+            else:
+                sources[need] = holder
+        widen = {mb for grad, stage, mb in lost if (stage + 1 if grad else stage - 1) not in committed}
+        if not widen - whole:
+            break
+        whole |= widen
+    for grad, stage, mb in lost:
+        unrecoverable = unrecoverable or (
+            f"the {'gradient' if grad else 'activation'} of micro-batch {mb} into stage {stage} of iteration "
+            f"{k} is held by no live worker (its sender and its receiver both failed)")
+    repair = Repair(new_plan.stages, w_done, frozenset(committed), sources, frozenset(completing), frozenset(whole))
     return Decision(k, members, repair, roll_forward, frozenset(dropped), unrecoverable)
 
 

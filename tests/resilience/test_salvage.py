@@ -19,19 +19,26 @@ def _plan(absent: list[tuple[int, int]], schedule: str = "zb-h1", stages: int = 
     return make_plan(stages, 2, 4, CostModel.uniform(stages), absent, schedule=schedule)
 
 
-def test_repair_keeps_finished_weight_gradients_and_forwards_unfinished_work_again() -> None:
+def test_repair_keeps_finished_weight_gradients_and_runs_unfinished_work_over_its_span() -> None:
     plan = _plan([(1, 0)])
-    repair = Repair(2, {0: frozenset({(0, 0), (0, 1)}), 1: frozenset({(0, 0), (0, 1), (0, 2)})})
-    # no stage has stepped: one segment spans every stage
-    assert not repair.unfinished((0, 1), 0) and repair.unfinished((0, 2), 1)
-    assert repair.lowest_unfinished_stage((0, 2), 1) == 0 and repair.lowest_unfinished_stage((1, 3), 1) == 0
+    w_done = {0: frozenset({(0, 0), (0, 1)}), 1: frozenset({(0, 0), (0, 1), (0, 2)})}
+    repair = Repair(2, w_done)
+    # no stage has stepped: one segment spans every stage; (0, 2) is missing only on stage 0
+    assert repair.span((0, 1), 0) is None and repair.span((0, 2), 1) == (0, 0) and repair.span((1, 3), 1) == (0, 1)
+    assert not repair.runs((0, 2), 1) and repair.runs((0, 2), 0) and repair.lowest_unfinished_stage((1, 3), 1) == 0
     stage1 = Counter((it.kind, it.mb) for it in repair_items(worker_items(plan, (0, 1), 0), 1, repair))
-    # (0, 2): forwarded again and its B recomputed to bring the gradient down to stage 0, but no second W
-    assert stage1[(WorkKind.F, (0, 2))] == stage1[(WorkKind.B, (0, 2))] == 1 and not stage1[(WorkKind.W, (0, 2))]
-    assert not any(mb in {(0, 0), (0, 1)} for _, mb in stage1)
+    assert not any(mb in {(0, 0), (0, 1), (0, 2)} for _, mb in stage1)  # stage 1 finished them
+    assert ((True, 0, (0, 2)) in repair.needed_from_logs(ALL)  # its gradient into stage 0 comes from a log
+            and (True, 0, (1, 3)) not in repair.needed_from_logs(ALL))
     stage0 = [(it.kind, it.mb) for it in repair_items(worker_items(plan, (0, 0), 0), 0, repair)]
     assert {mb for kind, mb in stage0 if kind is WorkKind.W} == set(ALL) - {(0, 0), (0, 1)}
     assert stage0[-1] == (WorkKind.O, None)
+    # with no live log holding that gradient, (0, 2) runs over the whole segment: forwarded again on stage 1 and
+    # its B recomputed to bring the gradient down to stage 0, but no second W
+    whole = Repair(2, w_done, whole=frozenset({(0, 2)}))
+    stage1 = Counter((it.kind, it.mb) for it in repair_items(worker_items(plan, (0, 1), 0), 1, whole))
+    assert stage1[(WorkKind.F, (0, 2))] == stage1[(WorkKind.B, (0, 2))] == 1 and not stage1[(WorkKind.W, (0, 2))]
+    assert (True, 0, (0, 2)) not in whole.needed_from_logs(ALL)
 
 
 def _messages(plan, repair: Repair) -> tuple[Counter, Counter]:
@@ -53,15 +60,32 @@ def _messages(plan, repair: Repair) -> tuple[Counter, Counter]:
     return sends, recvs
 
 
+def _sources(plan, workers: WorkerMap, repair: Repair, rng: random.Random) -> dict:
+    """A holder for every tensor ``repair`` needs from a log: its sender, or its receiver itself, at random."""
+    sources = {}
+    for grad, stage, mb in repair.needed_from_logs(ALL):
+        sender = plan.worker_of(stage + 1 if grad else stage - 1, mb)
+        sources[(grad, stage, mb)] = workers.rank_of(sender if rng.random() < 0.5 else plan.worker_of(stage, mb))
+    return sources
+
+
 @pytest.mark.parametrize("schedule", ["zb-h1", "1f1b", "adaptive"])
 @pytest.mark.parametrize("seed", range(6))
 def test_repair_schedules_match_every_send_with_a_receive(schedule: str, seed: int) -> None:
     rng = random.Random(seed)
     plan = _plan([(1, 1)] if seed % 2 else [(0, 0)], schedule, stages=3)
+    workers = WorkerMap.dense(3, 2, frozenset(plan.failed))
     w_done = {s: frozenset(mb for mb in ALL if rng.random() < 0.5) for s in range(3)}
-    sends, recvs = _messages(plan, Repair(3, w_done))
-    assert sends == recvs and sends
-    assert all(n == 1 for n in sends.values())
+    whole = frozenset(mb for mb in ALL if rng.random() < 0.3)
+    base = Repair(3, w_done, whole=whole)
+    sends, recvs = _messages(plan, Repair(3, w_done, sources=_sources(plan, workers, base, rng), whole=whole))
+    local = {(g, src, dst, mb) for (g, src, dst, mb) in recvs if src == dst}
+    assert sends == recvs - Counter(local) and sends
+    assert all(n == 1 for n in recvs.values())
+    everywhere = Repair(3, w_done, whole=frozenset(ALL))  # every span its whole segment: nothing from logs
+    assert not everywhere.needed_from_logs(ALL)
+    sends, recvs = _messages(plan, everywhere)
+    assert sends == recvs and all(n == 1 for n in sends.values())
 
 
 def _report(stage: int, served: list, w_done: list, stepped: int = 4, in_flight: int = 5,
@@ -154,12 +178,30 @@ def test_repairs_with_committed_stages_match_every_send_with_a_receive(seed: int
     workers = WorkerMap.dense(4, 2, frozenset(plan.failed))
     committed = frozenset(s for s in range(4) if rng.random() < 0.4) - {rng.randrange(4)}
     w_done = {s: frozenset(mb for mb in ALL if rng.random() < 0.5) for s in range(4) if s not in committed}
-    base = Repair(4, w_done, committed)
-    sources = {}
-    for grad, stage, mb in base.needed_from_logs(ALL):  # a holder on the sending stage, or the receiver itself
-        sender = plan.worker_of(stage + 1 if grad else stage - 1, mb)
-        sources[(grad, stage, mb)] = workers.rank_of(sender if rng.random() < 0.5 else plan.worker_of(stage, mb))
+    sources = _sources(plan, workers, Repair(4, w_done, committed), rng)
     sends, recvs = _messages(plan, Repair(4, w_done, committed, sources))
     local = {(g, src, dst, mb) for (g, src, dst, mb) in recvs if src == dst}
     assert sends == recvs - Counter(local)
     assert all(n == 1 for n in recvs.values())
+
+
+def test_a_finished_neighbour_that_has_not_stepped_serves_its_log_or_the_span_widens() -> None:
+    """Worker (1, 0) died in a W of iteration 5; stage 1 had finished every micro-batch but not stepped. Stage 0
+    redoes the dead worker's micro-batches with the gradients stage 1 logged: stage 1 runs none of them again.
+    Without those logs they run over the whole segment, as before logs were used inside it."""
+    plan = _plan([(1, 0)])
+    workers = WorkerMap.dense(2, 2, frozenset({(1, 0)}))  # ranks: (0,0) 0, (0,1) 1, (1,1) 2
+    own0, own1 = [(0, i) for i in range(4)], [(1, i) for i in range(4)]
+    reports = {0: _report(0, own0, own0, logs=_log(5, True, True, own0)),
+               1: _report(1, own0, own0, logs=_log(5, True, False, own0)),
+               2: _report(1, own1, own1, logs=_log(5, True, False, own1))}
+    decision = decide(reports, plan, workers)
+    assert not decision.committed and not decision.unrecoverable and not decision.repair.whole
+    assert decision.repair.sources == {(True, 0, mb): 2 for mb in own1}
+    for worker in [(0, 1), (1, 1)]:
+        sched = PlanSchedule(plan, worker, workers.rank_of, 5, repair=decision.repair)
+        kinds = [type(cmd) for step in sched.steps() for cmd in step]
+        assert ins.ForwardMicroBatch not in kinds and ins.BackwardInput not in kinds
+    forgotten = {**reports, 2: _report(1, own1, own1)}
+    widened = decide(forgotten, plan, workers)
+    assert not widened.unrecoverable and widened.repair.whole == set(own1) and not widened.repair.sources
