@@ -69,6 +69,15 @@ class StoreKeys:
     def join_closed(self) -> str:
         return f"{self.root}/join/closed"
 
+    def hung(self, rank: int) -> str:
+        """``"<restart count> <reason>"``: the rank's watcher declared that process hung (and had it fenced)."""
+        return f"{self.root}/hung/{rank}"
+
+    @property
+    def hung_declarations(self) -> str:
+        """Counts the ``hung`` declarations, so that a watchdog looks at the keys only when one was made."""
+        return f"{self.root}/hung/count"
+
     def restarted(self, rank: int) -> str:
         return launcher_store.restarted_key(rank)
 

@@ -9,16 +9,19 @@ store client:
 * the exit waiter blocks in ``queue_pop`` on this rank's ``ds_recycle/exit_queue/<rank>``, onto which the
   launchers push at every exit (:func:`~ds_recycle.runtime.job_store.publish_exit_count`), so it wakes the
   moment a worker's exit is reported; it then reads the exit counter and, when it moved, looks at the members'
-  exit keys and restart counts (the same test as :class:`~ds_recycle.resilience.comm.FailureProbe`).
+  exit keys, restart counts and published hung declarations (the test of
+  :class:`~ds_recycle.resilience.comm.FailureProbe`, plus the declarations).
   :meth:`Watchdog.stop` (also run at interpreter exit) pushes a stop item to wake and join it: a thread left
   blocked in the store while the interpreter shuts down would abort the process when woken;
-* the timer reads every other member's heartbeat counter every ``heartbeat_poll_s``; a counter that has not
-  moved for
-  ``stale_after_s`` (``recycle.heartbeat_stale_s``) of this thread's monotonic clock declares that member
-  *hung*: the watchdog asks the member's launcher to fence it (``ds_recycle/fence/<rank>``, see
-  :mod:`ds_recycle.launcher.fencing`: SIGKILL, then reported like any other death), and trips. The timer
-  also reads the exit counter (for an exit counted without its ``exited`` key, and for the members of a
-  watch armed while the exit waiter was asleep).
+* the timer reads the heartbeat counter of one member every ``heartbeat_poll_s``: the next one in rank order
+  among the members (a ring, so a job of N workers makes N reads per period, not N x (N - 1)). A counter
+  that has not moved for ``stale_after_s`` (``recycle.heartbeat_stale_s``) of this thread's monotonic clock
+  declares that member *hung*: the watchdog asks the member's launcher to fence it (``ds_recycle/fence/<rank>``,
+  see :mod:`ds_recycle.launcher.fencing`: SIGKILL, then reported like any other death), publishes the
+  declaration (``ds_recycle/hung/<rank>``, counted by ``ds_recycle/hung/count``), wakes every member's exit
+  waiter (their queues), and trips; the others trip on the published declaration at once, before the fence
+  takes effect. The timer also reads the exit and declaration counters (for an exit counted without its
+  ``exited`` key, and for the members of a watch armed while the exit waiter was asleep).
 
 The training thread reads only the watchdog's flags (:meth:`Watchdog.tripped`, :meth:`Watchdog.current`):
 no store call per instruction or wait once the watch of the epoch has been checked.
@@ -158,7 +161,7 @@ class Watchdog:
 
     # ---------------------------------------------------------------------------------------- watcher thread
     def _run(self) -> None:
-        exits_seen, checked_epoch = -1, 0
+        exits_seen, checked_epoch = (-1, -1), 0
         while True:
             try:
                 exits_seen, checked_epoch = self._check(self._store, exits_seen, checked_epoch)
@@ -176,7 +179,7 @@ class Watchdog:
                 return
 
     def _wait_exits(self) -> None:
-        store, exits_seen, checked_epoch = self._exit_store, -1, 0
+        store, exits_seen, checked_epoch = self._exit_store, (-1, -1), 0
         queue = self.keys.exit_queue(self.rank)
         while not self._stop.is_set():
             try:
@@ -188,14 +191,16 @@ class Watchdog:
                 logger.debug("watchdog exit waiter stopped: %s", e)  # the store is gone: the job is over
                 return
 
-    def _check(self, store: dist.Store, exits_seen: int, checked_epoch: int) -> tuple[int, int]:
-        """Look at the members' exit keys if the exit counter moved or the watch was re-armed since ``checked_epoch``.
+    def _check(self, store: dist.Store, exits_seen: tuple[int, int],
+               checked_epoch: int) -> tuple[tuple[int, int], int]:
+        """Look at the members' exit keys and hung declarations if the exit or declaration counter moved or the
+        watch was re-armed since ``checked_epoch``.
 
-        Returns the counter read and the watch it was checked against.
+        Returns the counters read and the watch they were checked against.
         """
         with self._lock:
             epoch, members, incarnations = self._epoch, self._members, dict(self._incarnations)
-        count = int(store.add(self.keys.exits, 0))
+        count = (int(store.add(self.keys.exits, 0)), int(store.add(self.keys.hung_declarations, 0)))
         if count == exits_seen and epoch == checked_epoch:
             return count, epoch
         if self.declared is None and members:
@@ -213,12 +218,15 @@ class Watchdog:
             if r in incarnations and (store.check([self.keys.exit(r)])
                                       or incarnation(store, self.keys, r) != incarnations[r]):
                 return Declaration(r, False, f"rank {r} exited (its launcher reported it)", time.time())
+        for r in members:
+            if r != self.rank and r in incarnations and store.check([self.keys.hung(r)]):
+                count, _, reason = store.get(self.keys.hung(r)).decode().partition(" ")
+                if count == str(incarnations[r]):  # a declaration about this process, not an earlier one
+                    return Declaration(r, True, reason, time.time())
         return None
 
     def _stale(self, members: tuple[int, ...], incarnations: dict[int, int], now: float) -> Declaration | None:
-        for r in members:
-            if r == self.rank:
-                continue
+        for r in _watched(members, self.rank):
             count = int(self._store.add(self.keys.heartbeat(r), 0))
             last = self._seen.get(r)
             if last is None or count != last[0]:
@@ -228,10 +236,20 @@ class Watchdog:
             if silent > self.stale_after_s:
                 _request_fence(self._store, r, incarnations.get(r, 0),
                                f"no heartbeat for {silent:.1f} s (declared by rank {self.rank})")
-                return Declaration(r, True, f"rank {r} hung: no heartbeat for {silent:.1f} s "
-                                   f"(recycle.heartbeat_stale_s {self.stale_after_s:g}), fenced",
-                                   time.time())
+                found = Declaration(r, True, f"rank {r} hung: no heartbeat for {silent:.1f} s "
+                                    f"(recycle.heartbeat_stale_s {self.stale_after_s:g}; declared by rank "
+                                    f"{self.rank}), fenced", time.time())
+                self._publish(found, incarnations.get(r, 0), members)
+                return found
         return None
+
+    def _publish(self, found: Declaration, restart_count: int, members: tuple[int, ...]) -> None:
+        """Tell every member of the declaration now (each one's exit waiter wakes and finds it)."""
+        self._store.set(self.keys.hung(found.rank), f"{restart_count} {found.reason}")
+        self._store.add(self.keys.hung_declarations, 1)
+        for m in members:
+            if m not in (self.rank, found.rank):
+                self._store.queue_push(self.keys.exit_queue(m), "hung")
 
     def _trip(self, epoch: int, found: Declaration) -> None:
         with self._lock:
@@ -260,6 +278,15 @@ def _break(groups: Sequence[Guarded]) -> None:
             group.break_links()
         except Exception:  # a group already torn down: nothing of it can block
             logger.debug("breaking a group failed", exc_info=True)
+
+
+def _watched(members: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """The member whose heartbeat ``rank`` reads: the next one in rank order, the first after the last (a ring)."""
+    others = [r for r in members if r != rank]
+    if not others:
+        return ()
+    later = [r for r in others if r > rank]
+    return (later[0] if later else others[0],)
 
 
 def _request_fence(store: dist.Store, rank: int, restart_count: int, reason: str) -> None:

@@ -82,3 +82,35 @@ def test_agreement_times_out_instead_of_hanging(server: dist.TCPStore) -> None:
             agree_members(store, 1, 0, [0, 1], Liveness(store, 5.0), timeout_s=0.5)
     finally:
         hb.stop()
+
+
+@pytest.mark.timeout(30)
+def test_watchdogs_read_one_heartbeat_each_and_a_hung_declaration_reaches_every_member(server: dist.TCPStore) -> None:
+    """The watchdogs form a ring (rank r reads the next member's heartbeat): one declares rank 2 hung, asks for the
+    fence, and the others trip on its published declaration at once, without waiting for the fence to act."""
+    import time
+
+    from ds_recycle.resilience.watchdog import Watchdog, _watched
+    from ds_recycle.runtime import job_store
+
+    assert [_watched((0, 1, 2, 3), r) for r in range(4)] == [(1,), (2,), (3,), (0,)]
+    assert _watched((0, 2), 1) == (2,) and _watched((5,), 5) == ()
+    beats = [Heartbeat(client(server), rank=r, period_s=0.05).start() for r in (0, 1, 3)]  # rank 2 never beats
+    dogs = {r: Watchdog(client(server), r, stale_after_s=0.5, heartbeat_poll_s=0.05).start() for r in (0, 1, 3)}
+    try:
+        for dog in dogs.values():
+            dog.arm([0, 1, 2, 3], {r: 0 for r in range(4)})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(d.tripped() for d in dogs.values()):
+            time.sleep(0.05)
+        found = {r: d.declared for r, d in dogs.items()}
+    finally:
+        for dog in dogs.values():
+            dog.stop()
+        for hb in beats:
+            hb.stop()
+    assert all(f is not None and f.rank == 2 and f.hung for f in found.values()), found
+    assert all("declared by rank 1" in f.reason for f in found.values() if f is not None), found  # 2's watcher
+    assert all(2 in d.hung for d in dogs.values())
+    assert server.get(job_store.fence_key(2)).decode().startswith("0 no heartbeat")  # one fence request
+    assert not server.check([KEYS.exit(2)])  # nobody waited for the fence to take effect
