@@ -19,7 +19,9 @@ time and every worker's CPU time. Per job: wall seconds per iteration and CPU se
 (the mean over workers) from iteration ``--warmup`` to the last, and the largest peak RSS over its workers.
 Each figure is the median over rounds; the ratios divide medians measured in the same run. Model-state bytes
 are one stage's parameters + gradients + two Adam moments (fp32: 16 bytes a parameter), counted by building
-each stage's ``PipelineModule`` part in a small gloo job here; the largest stage is shown.
+each stage's ``PipelineModule`` part in a small gloo job here; the largest stage is shown. Under ``launch``, the
+largest boundary-log peak a worker reported at the end of training (``boundary log peak N bytes``: the tensors
+recovery keeps referenced, see ``docs/failures.md``) is shown next to it, and as a fraction of it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +57,7 @@ from tests.byom.harness import (  # noqa: E402
 TRAIN = ROOT / "launch" / "train.py"
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 _STEP = re.compile(r"^(?:\[rank \d+\] )?step \d+ loss ")
+_LOG_PEAK = re.compile(r"boundary log peak (\d+) bytes")
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -130,6 +133,8 @@ class Figures:
     """Mean over the workers of each one's CPU seconds per iteration."""
     peak_rss: int
     """Largest peak RSS over the workers (bytes)."""
+    log_peak: int | None = None
+    """Largest boundary-log peak a worker reported at the end of training (bytes; None: not reported)."""
 
 
 def _figures(sample: Sample, warmup: int, workers: int) -> Figures:
@@ -261,7 +266,8 @@ def run_setup(variants: list[Variant], rounds: int, warmup: int, sample_s: float
                     job.result(900.0).check()
                 finally:
                     sample = sampler.stop()
-            got[v.name].append(_figures(sample, warmup, v.workers))
+            peaks = [int(m) for m in _LOG_PEAK.findall(job.log)]
+            got[v.name].append(replace(_figures(sample, warmup, v.workers), log_peak=max(peaks) if peaks else None))
             loads.append(os.getloadavg()[0])
             f = got[v.name][-1]
             print(f"  round {r} {v.name:<11} {f.s_per_iter:.4f} s/iter  {f.cpu_s_per_iter:.4f} cpu-s/iter/worker  "
@@ -319,7 +325,7 @@ def _report(tables: dict[str, tuple[dict[str, list[Figures]], int]], args: argpa
              "vanilla: DeepSpeed under torchrun; recycle: ds_recycle engine, 1F1B plan, torchrun; recycle-zb: ZB-H1 "
              "plan; launch: 1F1B under ds-recycle launch (failure handling on)", "",
              f"{'setup':<9}{'variant':<12}{'s/iter':>8}{'x vanilla':>10}{'cpu-s/iter':>11}{'x vanilla':>10}"
-             f"{'peak RSS MiB':>13}{'state MiB':>10}"]
+             f"{'peak RSS MiB':>13}{'state MiB':>10}{'log MiB':>9}{'log/state':>10}"]
     for setup, (figs, state) in tables.items():
         base = figs["vanilla"]
         t0 = statistics.median(f.s_per_iter for f in base)
@@ -328,8 +334,10 @@ def _report(tables: dict[str, tuple[dict[str, list[Figures]], int]], args: argpa
             t = statistics.median(f.s_per_iter for f in values)
             c = statistics.median(f.cpu_s_per_iter for f in values)
             rss = statistics.median(f.peak_rss for f in values)
+            logs = [f.log_peak for f in values if f.log_peak is not None]
+            log = (f"{max(logs) / 2**20:>9.2f}{max(logs) / state:>10.3f}" if logs else f"{'-':>9}{'-':>10}")
             lines.append(f"{setup:<9}{name:<12}{t:>8.4f}{t / t0:>10.3f}{c:>11.4f}{c / c0:>10.3f}"
-                         f"{rss / 2**20:>13.0f}{state / 2**20:>10.2f}")
+                         f"{rss / 2**20:>13.0f}{state / 2**20:>10.2f}{log}")
         if "launch" in figs and "recycle" in figs:
             tl = statistics.median(f.s_per_iter for f in figs["launch"])
             tr = statistics.median(f.s_per_iter for f in figs["recycle"])

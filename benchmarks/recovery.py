@@ -6,13 +6,15 @@ before, during and after the failure.
 Runs the default 2 x 2 GPT config (``configs/gpt_cpu_2x2.json``) under ``ds-recycle launch`` with default
 timeouts, kills one worker with ``--kill`` (SIGKILL), and reads the ``recovered`` event from the reporter's
 metrics file: detection (kill -> a survivor raises PeerFailure), agreement, regrouping (the new epoch's
-gloo groups), plan lookup (PlanCache), restore (snapshot of the redone iteration) and redone work (until
-the first full iteration under the new plan ends). Throughput (tokens/s, median per phase) comes from the
+gloo groups), plan lookup (PlanCache), restore (the repair's set-up: partial gradient rows adopted, a
+roll-forward if one is needed) and redone work (until the first full iteration under the new plan ends).
+Throughput (tokens/s, median per phase) comes from the
 same file: iterations before the failure, the iteration that absorbed it, and the iterations after it.
 
 The failing job runs twice, side by side: with salvage of the interrupted iteration (``recycle.salvage``,
 the default: the survivors keep the weight gradients they finished) and with ``recycle.salvage: false``
-(the iteration is redone from its snapshot), so the saving is measured under the same load.
+(the stages that had not stepped drop their partial sums and run their part of the iteration again), so the
+saving is measured under the same load.
 """
 from __future__ import annotations
 
