@@ -5,7 +5,8 @@
 
 Setups: the built-in GPT (``launch/train.py``) on 2 stages x 1 pipeline (``configs/gpt_cpu_2x1.json``) and
 2 x 2 (``configs/gpt_cpu_2x2.json``), and the user-style script ``tests/byom/user_train.py`` (2 x 2, the model of
-``--user-model``). Variants of each, alternated round by round so that machine load hits all alike:
+``--user-model``). Variants of each, alternated round by round (in reverse order every other round) so that
+machine load hits all alike:
 
 - ``vanilla``: DeepSpeed's stock ``PipelineEngine`` under torchrun;
 - ``recycle``: the ds_recycle engine on the 1F1B plan under torchrun (no failure handling);
@@ -257,7 +258,7 @@ def run_setup(variants: list[Variant], rounds: int, warmup: int, sample_s: float
               loads: list[float]) -> dict[str, list[Figures]]:
     got: dict[str, list[Figures]] = {v.name: [] for v in variants}
     for r in range(rounds):
-        for v in variants:
+        for v in variants if r % 2 == 0 else variants[::-1]:  # no variant always runs first or last
             work = tmp / f"{v.name}-{r}-{time.monotonic_ns()}"
             work.mkdir(parents=True)
             with v.start(work) as job:
