@@ -211,9 +211,9 @@ def bounded_wait(work: Work, probe: FailureProbe | None, timeout_s: float, what:
     makes the wait raise at once. Without a watchdog the thread sleeps on an event set by the work's completion
     (see :class:`ThreadedWork`) and wakes every ``poll_s`` to read the probe.
     """
-    watchdog = probe.watchdog if probe is not None else None
-    if watchdog is not None:
-        if probe is not None and probe.failed():
+    if probe is not None and probe.watchdog is not None:
+        watchdog = probe.watchdog
+        if probe.failed():
             raise PeerFailure(f"{what}: {_reason(watchdog)} before waiting")
         try:
             work.wait()

@@ -240,20 +240,16 @@ class ResilientRunner:
         self.engine._INSTRUCTION_MAP = table  # instance attribute: _exec_schedule looks it up on self
 
     def _wrapped(self, handler: Any, phase: Phase | None) -> Any:
-        if phase is None or not (self.injector.pending or self.join_injector.pending):
-            def check(engine: Any, **kwargs: Any) -> Any:  # no fault aimed at this worker: the failure check only
-                if self.comm.probe.failed():
-                    raise PeerFailure("a member exited (seen between instructions)")
-                return handler(engine, **kwargs)
-            return check
+        # No fault aimed at this worker: the failure check only, no fault-phase lookups per instruction.
+        fires = phase if phase is not None and (self.injector.pending or self.join_injector.pending) else None
 
         def run(engine: Any, **kwargs: Any) -> Any:
             # A survivor busy computing learns of a failure at its next instruction, not at its next wait.
             if self.comm.probe.failed():
                 raise PeerFailure("a member exited (seen between instructions)")
-            if phase is not None:
-                self._fire(phase)
-                if phase is Phase.BACKWARD_WEIGHT and self._is_last_w(kwargs["micro_batch"]):
+            if fires is not None:
+                self._fire(fires)
+                if fires is Phase.BACKWARD_WEIGHT and self._is_last_w(kwargs["micro_batch"]):
                     self._fire(Phase.LAST_BACKWARD_WEIGHT)
             return handler(engine, **kwargs)
         return run
