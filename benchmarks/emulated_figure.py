@@ -1,8 +1,10 @@
 """The paper's figure on emulated accelerators: throughput against failures, ds_recycle vs vanilla DeepSpeed.
 
-    .venv/bin/python benchmarks/emulated_figure.py                      # 4x4, M = 4 and 8, all cases
+    .venv/bin/python benchmarks/emulated_figure.py --feed-back --out benchmarks/results/emulated-$(date +%F).txt
+                              # the figure: 4x4 and 8x4, M = S and 2S, every case (48 jobs, about 2 h)
     .venv/bin/python benchmarks/emulated_figure.py --shapes 8x4 --microbatches 8 --cases core
-    .venv/bin/python benchmarks/emulated_figure.py --costs-file runs/emulated/fed-back.json ...
+    .venv/bin/python benchmarks/emulated_figure.py --report-from A.jsonl B.jsonl --out T.txt   # no runs
+    .venv/bin/python benchmarks/emulated_figure.py --costs-file runs/emulated/fed-back-4x4.json --shapes 4x4 ...
 
 Every job is the user-style script ``benchmarks/emulated/train.py`` on the emulated GPT (``benchmarks/emulated/``:
 layers whose F, B and W *sleep* the time of a cost profile of GPT-3 2.7B on A100 nodes, scaled so the slowest
@@ -29,7 +31,8 @@ costs a restart (the measured start-up of the vanilla job of this shape: launch 
 iteration) plus the work lost since the last checkpoint (half of ``--checkpoint-interval`` iterations on
 average), and with no spare machines it restarts on the pipelines that still have every worker, so its
 throughput is ``(D - pipelines hit) / D`` of its failure-free one, over a window of ``--window`` iterations
-after the failures. The plot (``--png``) shows throughput (samples/s) against the number of failures.
+after the failures. The plot (``.png`` next to ``--out``) shows throughput (samples/s) against the number of
+failures, one panel per shape and M.
 """
 from __future__ import annotations
 
@@ -199,9 +202,9 @@ class Result:
     peak_rss_gb: float = 0.0
     """Sum of the job's processes' RSS (shared pages counted in each)."""
     mem_gb: float = 0.0
+    """Drop of the machine's MemAvailable during the job (other tenants' use shows too)."""
     job_share: float = float("nan")
     """CPU of the launcher (its store) and the workers over the timed steps, a fraction of all cores."""
-    """Drop of the machine's MemAvailable during the job (other tenants' use shows too)."""
     ok: bool = True
     note: str = ""
 
@@ -396,7 +399,8 @@ def report(results: list[Result], args: argparse.Namespace, costs_by_shape: dict
         say(f"fed-back costs: + measured CPU per op (vanilla {per_op('vanilla'):.2f} ms, ds_recycle "
             f"{per_op('recycle'):.2f} ms) on each F, B, W; comm {comm_ms:.3f} ms (gloo ping-pong)")
         say(f"{'case':<30}{'ok':>4}{'s/iter':>8}{'plan':>8}{'meas/pl':>8}{'plan+fb':>8}{'meas/fb':>8}{'bound':>8}"
-            f"{'kept':>7}{'samp/s':>8}{'cpu ms/op':>10}{'job cpu':>8}{'busy':>6}{'load':>6}{'recov s':>8}{'RSS GB':>7}")
+            f"{'kept':>7}{'samp/s':>8}{'cpu ms/op':>10}{'%core/w':>8}{'job cpu':>8}{'+launch':>8}{'busy':>6}"
+            f"{'load':>6}{'recov s':>8}{'RSS GB':>7}{'mem GB':>7}")
         for name, group in by_name.items():
             case = group[0].case
             t = med(name)
@@ -410,15 +414,19 @@ def report(results: list[Result], args: argparse.Namespace, costs_by_shape: dict
             load = statistics.mean(r.load for r in group)
             rec = [r.recovery_s for r in group if r.recovery_s is not None]
             ok = all(r.ok for r in group)
+            star = "*" if case.killed else " "  # CPU counted from the warm-up on: the recovery is in it
             say(f"{name:<30}{'yes' if ok else 'NO':>4}{t:>8.3f}{plan_t:>8.3f}{t / plan_t:>8.3f}{fed_t:>8.3f}"
-                f"{t / fed_t:>8.3f}{bound_t:>8.3f}{ff / t:>7.3f}{d * m / t:>8.2f}{cpu:>10.2f}"
-                f"{100 * per_worker:>7.1f}%{100 * job_cpu:>7.0f}%"
+                f"{t / fed_t:>8.3f}{bound_t:>8.3f}{ff / t:>7.3f}{d * m / t:>8.2f}{cpu:>9.2f}{star}"
+                f"{100 * per_worker:>6.1f}%{star}{100 * job_cpu:>6.0f}%{star}"
                 f"{100 * with_launcher:>7.0f}%{100 * busy:>5.0f}%{load:>6.1f}"
                 f"{(f'{max(rec):.2f}' if rec else '-'):>8}{max(r.peak_rss_gb for r in group):>7.2f}"
                 f"{max(r.mem_gb for r in group):>7.2f}")
             for r in group:
                 if not r.ok:
                     say(f"    failed run: {r.note}")
+        if any(r.case.killed for r in rs):
+            say("  *: killed mid-run: the workers' CPU is counted from the warm-up on, so it includes the recovery "
+                "(and job cpu divides it by the time per iteration after it); +launch is sampled over the timed steps")
         van, zb = med("vanilla 1F1B"), med("ds_recycle ZB-H1")
         ad = ff
         pv = predict(Case("v", "vanilla", "1f1b"), s, d, m, costs, fed["vanilla"])
@@ -444,7 +452,7 @@ def plot(results: list[Result], args: argparse.Namespace, costs_by_shape: dict[t
     groups: dict[tuple[int, int, int], list[Result]] = {}
     for r in results:
         groups.setdefault((r.stages, r.pipelines, r.microbatches), []).append(r)
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(10.0, 4.6 * len(groups)), 5.0), squeeze=False)
     for ax, ((s, d, m), rs) in zip(axes[0], groups.items()):
         costs = costs_by_shape[(s, d)]
         samples = d * m
@@ -464,6 +472,7 @@ def plot(results: list[Result], args: argparse.Namespace, costs_by_shape: dict[t
         v = statistics.median(r.per_iteration for r in vans) if vans else None
         start = statistics.median(r.startup_s for r in vans) if vans else None
         bx: list[int] = []
+        vanilla_sets: dict[int, tuple[Worker, ...]] = {}
         for label, wanted, color, style in (("one stage", False, "C0", "o-"), ("several stages", True, "C1", "D-")):
             series = tput(lambda c, wanted=wanted: c.engine == "recycle" and c.schedule == "adaptive"
                           and not c.killed and (len(c.failed) <= 1 or spread(c) == wanted))
@@ -472,14 +481,16 @@ def plot(results: list[Result], args: argparse.Namespace, costs_by_shape: dict[t
             xs = sorted(series)
             bx = sorted(set(bx) | set(xs))
             ax.plot(xs, [statistics.median(series[x]) for x in xs], style, color=color,
-                    label=f"ds_recycle, failures in {label} (absent from the start)")
+                    label=f"ds_recycle, failures in {label}")
             ax.plot(xs, [samples / (lower_bound(s, d, m, costs, sets[x]) / 1e3) for x in xs], "--", color=color,
-                    alpha=0.6, label=f"bound, {label} (throughput at the lower bound of the time)")
-            if v is not None and start is not None:
-                vy = [samples / vanilla_restart_model(v, start, sets[x], d, args.checkpoint_interval, args.window)
-                      for x in xs]
-                ax.plot(xs, vy, "^:", color="C3", alpha=0.9 if wanted else 0.5,
-                        label=f"vanilla DeepSpeed checkpoint-restart (model), {label}")
+                    alpha=0.6, label=f"bound, failures in {label}")
+            for x in xs:  # the figure's failure sets of one size hit as many pipelines: vanilla restarts on the rest
+                vanilla_sets.setdefault(x, sets[x])
+        if v is not None and start is not None:
+            vx = sorted(vanilla_sets)
+            ax.plot(vx, [samples / vanilla_restart_model(v, start, vanilla_sets[x], d, args.checkpoint_interval,
+                                                         args.window) for x in vx],
+                    "^:", color="C3", label="vanilla DeepSpeed, checkpoint-restart (model)")
         if rc_kill:
             kx = sorted(rc_kill)
             ax.plot(kx, [statistics.median(rc_kill[x]) for x in kx], "s", color="C2", label="ds_recycle, killed mid-run")
@@ -489,13 +500,39 @@ def plot(results: list[Result], args: argparse.Namespace, costs_by_shape: dict[t
         ax.set_xticks(bx)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    legend: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", bbox_to_anchor=(0.5, 0.03), ncol=3,
+               fontsize=8, frameon=False)
+    fig.text(0.5, 0.005, "failed workers absent from the start unless killed mid-run; bound: throughput at the lower "
+             "bound of the time per iteration; every ds_recycle point measured on emulated accelerators", ha="center",
+             fontsize=7)
+    fig.tight_layout(rect=(0.0, 0.15, 1.0, 1.0))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 
 # ---------------------------------------------------------------------------------------------- main
+DEFAULT_F_MS = "4x4=100,8x4=200"
+"""Slowest F per shape: twice the workers get twice the time, so the runtime's CPU takes the same share of the cores."""
+
+
+def f_ms_for(spec: str, stages: int, pipelines: int) -> float:
+    """The slowest stage's emulated F for an ``S x D`` job from ``--f-ms`` (see :data:`DEFAULT_F_MS`)."""
+    pairs: dict[str, float] = {}
+    try:
+        if "=" not in spec:
+            return float(spec)
+        for item in spec.split(","):
+            shape, ms = item.split("=")
+            pairs[shape.strip().lower()] = float(ms)
+    except ValueError:
+        raise SystemExit(f"--f-ms {spec!r}: give a number of ms, or SxD=ms pairs such as {DEFAULT_F_MS}") from None
+    return pairs.get(f"{stages}x{pipelines}", 100.0 * max(1.0, stages * pipelines / 16))
+
+
 def measure_comm_ms() -> float:
     from benchmarks.emulated.model import SEQ, WIDTH
     from benchmarks.profile_ops import measure_comm
@@ -504,12 +541,14 @@ def measure_comm_ms() -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="4x4", help="comma-separated SxD, e.g. 4x4,8x4")
+    p.add_argument("--shapes", default="4x4,8x4", help="comma-separated SxD")
     p.add_argument("--microbatches", default="S,2S", help="comma-separated: numbers, S or 2S")
     p.add_argument("--cases", choices=("all", "core", "failure-free"), default="all")
     p.add_argument("--only", default=None, help="regex: run only the cases whose name matches")
     p.add_argument("--profile", choices=PROFILES, default="gpt3-2.7b")
-    p.add_argument("--f-ms", type=float, default=100.0, help="emulated F of the slowest stage")
+    p.add_argument("--f-ms", default=DEFAULT_F_MS,
+                   help="emulated F of the slowest stage, ms: one number for every shape, or SxD=ms pairs "
+                        "(a shape not named gets 100 ms per 16 workers)")
     p.add_argument("--costs-file", default=None,
                    help="costs for the planner (runtime and prediction); default: the emulated profile itself")
     p.add_argument("--feed-back", action="store_true",
@@ -533,9 +572,15 @@ def main() -> int:
     costs_by_shape: dict[tuple[int, int], CostModel] = {}
     profiles: dict[tuple[int, int], dict[str, Any]] = {}
     plan_cases: list[tuple[int, int, int, Case, Path, Path]] = []
-    for shape in args.shapes.split(","):
-        s, d = (int(x) for x in shape.lower().split("x"))
-        prof = profile(args.profile, s, d, args.f_ms)
+    shapes = args.shapes.split(",")
+    if args.costs_file and len(shapes) > 1:
+        p.error(f"--costs-file holds the costs of one shape and --shapes names {len(shapes)}: give one shape")
+    for shape in shapes:
+        try:
+            s, d = (int(x) for x in shape.lower().split("x"))
+        except ValueError:
+            p.error(f"--shapes {args.shapes!r}: give SxD pairs such as 4x4,8x4")
+        prof = profile(args.profile, s, d, f_ms_for(args.f_ms, s, d))
         profiles[(s, d)] = prof
         pfile = write_profile(work / f"profile-{s}x{d}.json", prof)
         cfile = Path(args.costs_file).resolve() if args.costs_file else pfile
@@ -556,7 +601,7 @@ def main() -> int:
                 f"command: {' '.join(['.venv/bin/python', 'benchmarks/emulated_figure.py', *sys.argv[1:]])}",
                 "EMULATED ACCELERATORS: F, B, W sleep the profile's time (benchmarks/emulated/); the runtime, "
                 "transport, optimizer and all-reduce run for real",
-                f"profile {args.profile}, slowest F {args.f_ms:g} ms; {args.steps} steps, {args.warmup} warm-up; "
+                f"profile {args.profile}, slowest F (ms) {args.f_ms}; {args.steps} steps, {args.warmup} warm-up; "
                 f"{args.rounds} round(s), cases alternated",
                 "columns: s/iter measured (median over the timed steps); plan = the planner's time for the runtime's "
                 "plan with the runtime's costs; meas/pl; plan+fb = the same plan re-timed with the fed-back costs; "
