@@ -12,7 +12,7 @@ with other jobs does not inflate), through the engine's own code paths:
 - W: the per-module weight-gradient passes B left behind;
 - fused: DeepSpeed's single ``backward`` of the stage (for the B + W overhead figure);
 - O: the optimizer step (Adam/AdamW/SGD from the config) over the stage's parameters (nothing is copied:
-  the step waits for the clipping norm instead of being redone); the all-reduce is in ``comm_allreduce``;
+  the step waits for the clipping norm instead of being redone); the gradient all-reduce is not measured here;
 - comm: one activation sent between two gloo processes on this host (half a round trip).
 
 Writes the planner's cost-profile file (``F, B, W, O`` lists and ``comm``, in milliseconds, plus extra keys

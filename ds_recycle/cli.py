@@ -12,7 +12,7 @@ Modules are imported only when their sub-command runs, so `ds-recycle plan` neve
     ds-recycle store --port 29500          # on a host with no workers; launchers then add --store_service
     ds-recycle compare a.pt b.pt --rtol 1e-5
     ds-recycle plan --stages 4 --pipelines 2 --microbatches 8 --fail 1:2
-    ds-recycle simulate --trace shared/traces/oobleck/1h.csv --model gpt3-medium
+    ds-recycle simulate --trace ../shared/traces/oobleck/1h.csv --model gpt3-medium
 """
 from __future__ import annotations
 

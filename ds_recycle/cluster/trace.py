@@ -10,7 +10,7 @@ Large Models Using Pipeline Templates", arXiv 2309.08125; repository SymbioticLa
 node is added before it is removed and is not added twice while present. Blank lines and lines
 starting with `#` are skipped. Every malformed line is rejected with its line number::
 
-    trace = read_trace("shared/traces/oobleck/1h.csv")
+    trace = read_trace("../shared/traces/oobleck/1h.csv")
     trace.events[0]          # Event(time_s=0.0, kind=EventKind.ADD, node='node1')
 """
 from __future__ import annotations

@@ -102,7 +102,8 @@ class FaultConfig:
     iteration: int
     """0-based iteration in which it dies."""
     phase: FaultPhase = "forward"
-    """Where in the iteration: F, B, W, a send, a receive, the all-reduce, the optimizer step, or idle."""
+    """Where in the iteration: F, B, W, the worker's last W, a send, a receive, the all-reduce, the optimizer
+    step, idle, or a step of a restarted worker's admission (``join-*``)."""
 
     def __post_init__(self) -> None:
         if self.iteration < 0:
@@ -136,10 +137,12 @@ class RecycleConfig:
     declared failed. Crashed peers are detected within milliseconds from the launcher's exit reports, so
     this only bounds hangs: keep it well above the slowest legitimate wait (slow is not dead)."""
     heartbeat_stale_s: float = 10.0
-    """During agreement, a rank whose heartbeat has not moved for this long counts as dead."""
+    """A member whose heartbeat has not moved for this long is declared hung, even while its peers wait on it:
+    the watchdog that reads it has its launcher fence it (SIGKILL), and the agreement counts it dead."""
     salvage: bool = True
     """After a failure, keep the weight gradients the survivors finished in the interrupted iteration and
-    run only the rest of it (when possible); false: always restore the iteration's start and redo it whole."""
+    run only the rest of it (when possible); false: the stages that had not stepped it drop their partial sums
+    and run their part of it again (stages that had stepped it run nothing again; nothing is restored)."""
     rng_seed: int = 0
     """Base seed of the per-micro-batch random streams: a micro-batch's forward (dropout) draws from a generator
     seeded by ``(rng_seed, step, pipeline, index, stage)``, so it gets the same masks wherever it runs."""

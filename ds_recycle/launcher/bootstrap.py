@@ -33,7 +33,8 @@ _USAGE = "usage: python -m ds_recycle.launcher.bootstrap [-m MODULE | SCRIPT] [A
 
 
 def _recycle_init_distributed(*args: Any, **kwargs: Any) -> None:
-    """``deepspeed.init_distributed`` under ``ds-recycle launch``: :func:`init_worker` (same arguments accepted)."""
+    """``deepspeed.init_distributed`` under ``ds-recycle launch``: :func:`~ds_recycle.resilience.world.init_worker`
+    (same arguments accepted)."""
     from ds_recycle.resilience.world import init_worker
 
     timeout = kwargs.get("timeout")
@@ -46,7 +47,8 @@ def _patch(deepspeed: ModuleType) -> None:
 
 
 def install_deepspeed_hook() -> None:
-    """Route DeepSpeed's ``init_distributed`` through :func:`init_worker` (now, or when DeepSpeed is imported)."""
+    """Route DeepSpeed's ``init_distributed`` through :func:`~ds_recycle.resilience.world.init_worker` (now, or
+    when DeepSpeed is imported)."""
     after_import("deepspeed", _patch, "ds_recycle: init_distributed")
 
 

@@ -7,7 +7,7 @@
     ds-recycle launch --dry_run --hostfile hosts train.py        # print the layout and the commands only
     ds-recycle restart --master_port 29500 3      # start lost rank 3 of the running job again, now
 
-See :mod:`ds_recycle.launcher` for the environment each worker gets and the exit rules.
+``docs/launcher.md`` describes the environment each worker gets, the exit rules, restarts and several hosts.
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--node_rank", type=int, default=0, help="this node's index in the layout (with --no_ssh)")
     where.add_argument("--world_info", default=None, help=argparse.SUPPRESS)
     where.add_argument("--store_timeout", type=float, default=120.0,
-                       help="seconds a remote node waits for node 0's store, and a node cut off from the store "
-                            "tries to reach it again before it leaves as lost (default 120)")
+                       help="seconds a launcher waits for a store it does not host (with --no_ssh, node 0 waits as "
+                            "long for the other nodes to connect), and a node cut off from the store waits for it "
+                            "before it leaves as lost (default 120)")
     where.add_argument("--store_service", action="store_true",
                        help="the store at --master_addr:--master_port is a `ds-recycle store` service (on a host "
                             "with no workers): node 0 connects to it instead of hosting it, so node 0 can be lost")

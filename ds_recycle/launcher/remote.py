@@ -1,8 +1,10 @@
-"""Commands that start the launchers of nodes 1..N-1 over ssh (multi-host jobs; written but untested here).
+"""Commands that start the launchers of nodes 1..N-1 over ssh (multi-host jobs).
 
 Node 0's launcher runs each command below as a child process. The remote launcher gets the whole layout
-(``--world_info``), its ``--node_rank`` and the store's address, so it needs no hostfile; it connects to node
-0's store as a client, starts its own workers, writes their exits to the store, and obeys ``ds_recycle/stop``.
+(``--world_info``), its ``--node_rank`` and the store's address, so it needs no hostfile; it connects to the
+job's store (node 0's, or a ``ds-recycle store`` service) as a client, starts its own workers, writes their
+exits to the store, and obeys ``ds_recycle/stop``. Tested with real ssh between hosts made as network
+namespaces (``tests/hosts/``) and, on one machine, with a stand-in ``ssh`` (``tests/launcher/test_multinode.py``).
 Assumptions, as for `deepspeed`'s ssh-based runners: passwordless ssh to every host, the same working
 directory and the same Python environment (same interpreter path) on every host. Environment variables whose
 names start with one of :data:`EXPORT_PREFIXES`, plus ``KEY=VALUE`` lines of ``.deepspeed_env`` files in the

@@ -3,15 +3,16 @@
     ds-recycle restart --master_addr 10.0.0.1 --master_port 29500 3
     ds-recycle restart --master_port 29500 --timeout 10 2 5
 
-It connects to the job's store (node 0's launcher hosts it at ``--master_addr:--master_port``, the same
-address as ``ds-recycle launch``'s), writes one request per rank (``ds_recycle/restart_request/<rank>``, see
-:mod:`.store`), and waits up to ``--timeout`` seconds for the answers of the launchers that run those ranks.
+It connects to the job's store at ``--master_addr:--master_port`` (the address given to ``ds-recycle launch``:
+node 0's launcher, or a ``ds-recycle store`` service), writes one request per rank
+(``ds_recycle/restart_request/<rank>``, see :mod:`ds_recycle.runtime.job_store`), and waits up to ``--timeout``
+seconds for the answers of the launchers that run those ranks.
 A rank is restarted iff its process is gone because it was lost, no timed restart of it is due, the job is not
 stopping, and ``--max_restarts`` allows it (:mod:`.restart_requests`). One line per rank is printed: on stdout
 ``rank R: restarted as pid P (restart N of at most M)``, on stderr ``rank R: refused (REASON): ...``.
 
-Exit status: 0 when every rank was restarted; 1 when some rank was refused or not answered in time; 2 for bad
-input (a negative or unknown rank, no job's store at that address).
+Exit status: 0 when every rank was restarted; 1 when some rank was refused or not answered in time (or the job
+is being stopped); 2 for bad input (a negative, repeated or unknown rank, no job's store at that address).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Restarts on command, as data and plain functions: when a launcher may restart a rank it is asked to restart.
 
-``ds-recycle restart RANK`` writes a request into the job's store (see :mod:`.store`); the launcher that runs
-RANK answers it within one store poll (0.25 s) by restarting the rank at once, through the same path as a
-timed ``--restart_failed_after`` restart, or by refusing. :func:`judge_restart_request` is the rule; the
-answer travels back as a :class:`RestartResult`.
+``ds-recycle restart RANK`` writes a request into the job's store (:mod:`ds_recycle.runtime.job_store`); the
+launcher that runs RANK answers it within one store poll (0.25 s) by restarting the rank at once, through the
+same path as a timed ``--restart_failed_after`` restart, or by refusing. :func:`judge_restart_request` is the
+rule; the answer travels back as a :class:`RestartResult`.
 
 The rule: a rank is restarted on command iff its process is gone because it was *lost* (killed by a signal, or
 exit code 75), no timed restart of it is already due, the job is not being stopped, and it has been restarted

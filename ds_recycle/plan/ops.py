@@ -1,7 +1,6 @@
 """Operations of a plan: what one worker does, to which micro-batch, in which iteration.
 
-A schedule is data (habit 1 of the style notes): a tuple of :class:`Op` per worker. An op prints
-compactly and parses back::
+A schedule is data: a tuple of :class:`Op` per worker. An op prints compactly and parses back::
 
     F0.3      forward of micro-batch 3 of pipeline 0, iteration 0
     B1.0@2    input-gradient backward of micro-batch 0 of pipeline 1, iteration 2

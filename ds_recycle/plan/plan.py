@@ -20,7 +20,8 @@ OPTIMIZERS = ("staggered", "synchronous")
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """A plan in the interchange format ``ds-recycle-plan/1`` (see ``shared/notes/plan-format.md``).
+    """A plan in the interchange format ``ds-recycle-plan/1`` (written by :meth:`to_json`, read by :meth:`from_json`,
+    its rules checked by :mod:`ds_recycle.plan.validate`).
 
     ``workers`` maps each live worker ``(pipeline, stage)`` to its ops in execution order. The same
     worker runs a given micro-batch at a given stage in every iteration (:meth:`worker_of`).

@@ -7,15 +7,17 @@ Keys the launchers write (the failure handler of the workers reads them; all val
 
 ==================================  ==============================================================================
 ``ds_recycle/exit/<rank>``          return code of the rank's exit: ``"0"``, ``"1"``, ``"-9"`` (negative: the
-                                    signal that killed it). Written the moment its launcher reaps it; deleted
-                                    when the rank is restarted, so the key exists iff the rank's process is gone.
+                                    signal that killed it). Written the moment its launcher reaps it (or ``"75"``
+                                    by the node watch when the rank's node is declared lost); deleted when the
+                                    rank is restarted, so the key exists iff the rank's process is gone.
 ``ds_recycle/exits``                counter (``store.add``) of exits so far, over all ranks and restarts; a worker
                                     can poll it cheaply and read the ``exit/<rank>`` keys when it changes.
 ``ds_recycle/exit_queue/<r>``       a queue (``queue_push``/``queue_pop``): at each exit the launcher pushes the
                                     new count onto every rank's queue, so a worker blocks in ``queue_pop`` on
                                     its own instead of polling the counter (see :func:`publish_exit_count`).
 ``ds_recycle/restarted/<r>``        ``"<n>"``: rank r was started again for the n-th time (written just before).
-``ds_recycle/node/<k>``             host name of node k's launcher, written when it has connected (nodes > 0).
+``ds_recycle/node/<k>``             host name of node k's launcher, written when it has connected to a store
+                                    it does not host (nodes > 0; node 0 too with a ``ds-recycle store``).
 ``ds_recycle/stop``                 reason text: a launcher is stopping the whole job. Every launcher polls it
                                     (every 0.25 s) and stops its own workers; a worker may read it, or set it
                                     to stop the job.
@@ -42,7 +44,8 @@ Keys the launchers write (the failure handler of the workers reads them; all val
 ==================================  ==============================================================================
 
 The keys of hosts as units of failure (node heartbeats, ``node_lost``, the job's layout and node timeout, host
-events) are described in :mod:`.hostwatch`.
+events) are described in :mod:`ds_recycle.launcher.hostwatch`; every key, with who writes it, is listed in
+``docs/launcher.md``.
 
 Workers reach the store at ``DS_RECYCLE_STORE`` (``host:port``, the same as ``MASTER_ADDR:MASTER_PORT``);
 torch's env:// rendezvous connects to it as a client because the launcher sets
@@ -121,7 +124,8 @@ def host_store(addr: str, port: int, timeout_s: float) -> TCPStore:
 
 
 def connect_store(addr: str, port: int, timeout_s: float) -> TCPStore:
-    """Connect to node 0's store as a client (remote launchers), waiting up to ``timeout_s`` for it."""
+    """Connect to the job's store as a client (launchers that do not host it, workers, ``ds-recycle restart``),
+    waiting up to ``timeout_s`` for it."""
     from torch.distributed import TCPStore
 
     try:
