@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.emulated.profiles import PROFILES, profile, write_profile  # noqa: E402
+from ds_recycle.events import RecoveredEvent, parse_event  # noqa: E402
 from ds_recycle.plan import CostModel, lower_bound, make_plan, simulate  # noqa: E402
 from ds_recycle.tools.procs import descendants, rss_bytes, scan_proc  # noqa: E402
 from tests.byom.harness import Job, free_port, recycle_variant  # noqa: E402
@@ -283,10 +284,10 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
     for _rank, cpu, its in _CPU.findall(log):
         res.cpu_s += float(cpu)
         res.cpu_iterations = max(res.cpu_iterations, int(its))
-    events = [json.loads(e) for e in _EVENT.findall(log)]
-    recovered = [e for e in events if e.get("kind") == "recovered"]
+    events = [parse_event(json.loads(e)) for e in _EVENT.findall(log)]
+    recovered = [e for e in events if isinstance(e, RecoveredEvent)]
     if recovered:
-        res.recovery_s = max(float(e.get("failure_to_full_iteration_s", 0.0)) for e in recovered)
+        res.recovery_s = max(e.failure_to_full_iteration_s for e in recovered)
     first_timed = warmup
     if case.killed:  # time the steps after the last kill's iteration and the one after it
         last = max([it for _, it, _ in case.faults] + [after + 1 for _, after in case.sigkill])

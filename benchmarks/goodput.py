@@ -46,11 +46,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ds_recycle.config import load_config  # noqa: E402
+from ds_recycle.events import FailureEvent, RejoinEvent, events_of  # noqa: E402
 from ds_recycle.tools.goodput import (  # noqa: E402
     Failure,
     Progress,
     checkpoint_cost,
-    events_of_kind,
     fallback_times,
     latest_checkpoint,
     parse_failures,
@@ -208,9 +208,9 @@ def _summary(run: Run, tokens: int, interval: int) -> dict[str, Any]:
             "kills": [{"offset_s": k.time_s - run.started_at, "rank": k.rank, "pid": k.pid} for k in run.kills],
             "job_restarts": len(run.job_starts) - 1 if run.name != "ds_recycle" else p.lives - 1,
             "rank_restarts": run.restarts,
-            "failures_detected": len(events_of_kind(run.lives, "failure")),
-            "rejoins": len(events_of_kind(run.lives, "rejoin")),
-            "rejoin_offsets_s": [e["time_s"] - run.started_at for e in events_of_kind(run.lives, "rejoin")],
+            "failures_detected": len(events_of(run.lives, FailureEvent)),
+            "rejoins": len(events_of(run.lives, RejoinEvent)),
+            "rejoin_offsets_s": [e.time_s - run.started_at for e in events_of(run.lives, RejoinEvent)],
             "first_iteration_after_start_s": _startups(run), "longest_gap_s": _longest_gap(run),
             "stack_dumps_at_s": [t - run.started_at for t in run.watchdog.stalls],
             "memory_runaways": [f"rank {k.rank} {gib:.1f} GiB at {k.time_s - run.started_at:.0f} s"
@@ -303,8 +303,8 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
             ax.axvline(k.time_s - run.started_at, color=color, ls="--", lw=0.8)
         for t in run.job_starts[1:]:
             ax.axvline(t - run.started_at, color=color, ls=":", lw=0.8)
-        for e in events_of_kind(run.lives, "rejoin"):
-            ax.axvline(e["time_s"] - run.started_at, color="green", ls="-.", lw=0.8)
+        for e in events_of(run.lives, RejoinEvent):
+            ax.axvline(e.time_s - run.started_at, color="green", ls="-.", lw=0.8)
     ax.set_xlabel("wall-clock since the job's launch (s)\ndashed: SIGKILL; dotted: vanilla job restarted; "
                   "dash-dot (green): rejoin")
     ax.set_ylabel("iterations the model holds")

@@ -44,6 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ds_recycle.events import HostLostEvent, RecoveredEvent, ResumedEvent, events_of  # noqa: E402
 from tests.harness import tiny_config  # noqa: E402  (the benchmark reuses the tests' hosts and job helper)
 from tests.hosts.cluster import PORT, HostJob  # noqa: E402
 from tests.nethosts import NetHosts, namespaces_refused  # noqa: E402
@@ -78,8 +79,7 @@ def _first_full_recycle(job: HostJob, event_t: float, timeout_s: float) -> dict[
     while time.monotonic() < deadline:
         recs = job.metrics()
         for r in _after(recs, event_t):
-            kinds = {e["kind"] for e in r["events"]}
-            if "recovered" in kinds or "resumed" in kinds:
+            if events_of([r], RecoveredEvent) or events_of([r], ResumedEvent):
                 return r
         time.sleep(0.2)
     return None
@@ -108,13 +108,13 @@ def run_recycle(hosts_n: int, event: str, work: Path, steps: int) -> dict[str, A
             extra["cut_s"] = round(time.time() - event_t, 2)
             hosts.heal(1)
         first = _first_full_recycle(job, event_t, 240)
-        lost = [e for rec in before + job.metrics() for e in rec["events"] if e["kind"] == "host_lost"]
+        lost = events_of(before + job.metrics(), HostLostEvent)
         if lost:
-            extra["host_lost_declared_after_s"] = round(lost[0]["time_s"] - event_t, 2)
-        recovered = job.events("recovered")
+            extra["host_lost_declared_after_s"] = round(lost[0].time_s - event_t, 2)
+        recovered = job.events(RecoveredEvent)
         if recovered:
-            extra["recovered_event"] = {k: recovered[0].get(k) for k in ("detection_s", "agreement_s", "regroup_s",
-                                                                           "redo_s", "committed_stages")}
+            extra["recovered_event"] = {k: getattr(recovered[0], k) for k in ("detection_s", "agreement_s", "regroup_s",
+                                                                               "redo_s", "committed_stages")}
         codes = job.finish(600)
         extra["exit_codes"] = codes
         recs = [r for r in before if r["unix_time"] <= event_t] + _after(job.metrics(), event_t)

@@ -29,6 +29,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ds_recycle.events import RecoveredEvent, events_of  # noqa: E402
+
 PARTS = ("detection_s", "agreement_s", "regroup_s", "plan_lookup_s", "restore_s", "redo_s")
 
 
@@ -44,8 +48,9 @@ def run_job(config: Path, steps: int, kill: str | None, workdir: Path, name: str
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
-def _recovered(records: list[dict]) -> tuple[int, dict]:
-    return next((r["iter"], e) for r in records for e in r["events"] if e["kind"] == "recovered")
+def _recovered(records: list[dict]) -> tuple[int, RecoveredEvent]:
+    """The iteration whose record carries the first ``recovered`` event, and the event."""
+    return next((r["iter"], e) for r in records for e in events_of([r], RecoveredEvent))
 
 
 def _median(values: list[float]) -> float:
@@ -82,15 +87,15 @@ def main() -> int:
             totals = {}
             for mode, jobs in runs.items():
                 recs = [_recovered(job) for job in jobs]
-                totals[mode] = (_median([e["failure_to_full_iteration_s"] for _, e in recs]),
-                                _median([e["redo_s"] for _, e in recs]))
-                kept = [e.get("kept_weight_gradients", 0) for _, e in recs]
-                committed = [e.get("committed_stages", []) for _, e in recs]
-                logged = [e.get("tensors_from_logs", 0) for _, e in recs]
+                totals[mode] = (_median([e.failure_to_full_iteration_s for _, e in recs]),
+                                _median([e.redo_s for _, e in recs]))
+                kept = [e.kept_weight_gradients for _, e in recs]
+                committed = [list(e.committed_stages) for _, e in recs]
+                logged = [e.tensors_from_logs for _, e in recs]
                 print(f"[{kill}, {mode}] failure -> first full iteration {totals[mode][0]:.3f} s; weight gradients "
                       f"kept: {kept}; stages that had stepped: {committed}; tensors from boundary logs: {logged}")
                 for part in PARTS:
-                    values = [e[part] for _, e in recs if e.get(part) is not None]
+                    values = [v for _, e in recs if (v := getattr(e, part)) is not None]
                     print(f"  {part[:-2]:<12} {_median(values):.4f} s" if values else f"  {part[:-2]:<12} n/a")
                 hit, _ = recs[0]
                 before = [r for r in jobs[0][1:] if r["iter"] < hit]

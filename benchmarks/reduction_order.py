@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from ds_recycle.config import load_config  # noqa: E402
 from ds_recycle.engine.optimizer import StaggeredOptimizer  # noqa: E402
+from ds_recycle.engine.transport import DistTransport  # noqa: E402
 from ds_recycle.model.gpt import gpt_layer_specs  # noqa: E402
 
 CONFIG = REPO / "configs" / "gpt_cpu_2x2.json"
@@ -67,8 +68,8 @@ def _worker(rank: int, world: int, store_path: str, shapes: list[tuple[int, ...]
     for rep in range(len(MODES) * (reps + 1)):
         mode = list(MODES)[rep % len(MODES)]
         cls, canonical = MODES[mode]
-        stepper = cls(params, torch.optim.SGD(params.parameters(), lr=0.0), stage=0, pipelines=world, dp_group=None,
-                      dp_ranks=list(range(world)), norm_group=None, max_norm=0.0, served=frozenset({rank}),
+        stepper = cls(params, torch.optim.SGD(params.parameters(), lr=0.0), stage=0, pipelines=world,
+                      transport=DistTransport(), dp_ranks=list(range(world)), max_norm=0.0, served=frozenset({rank}),
                       canonical_order=canonical, microbatches=4)
         gen = torch.Generator().manual_seed(rep * 100 + rank)
         for p in params:

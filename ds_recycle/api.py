@@ -75,7 +75,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     The arguments are DeepSpeed's (see the module docstring for what differs); ``plan`` (keyword only)
     overrides the planner's plan for the job. The dataloader is None: the engine serves each micro-batch
     itself, by address. ``optimizer`` may be a torch optimizer, a callable that builds one from the
-    parameters, or None with an ``"optimizer"`` block in the config.
+    parameters, or None with an ``"optimizer"`` block in the config. As in DeepSpeed, ``dist_init_required``
+    None or True initialises ``torch.distributed`` if it is not (False: it must be already), and
+    ``distributed_port`` is the rendezvous port when no launcher set ``MASTER_PORT``. ``mpu`` and
+    ``mesh_param`` are refused (the grid comes from the module).
     """
     ds_config = read_deepspeed_config(config, args, config_params)
     if not isinstance(model, PipelineModule):
@@ -84,14 +87,13 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                     "PipelineModule(layers=..., num_stages=...), or use deepspeed.initialize")
     section = ds_config.get("recycle", {})
     if isinstance(section, dict) and section.get("enabled", True) is False:
-        return _vanilla(args, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn, ds_config)
+        return _vanilla(args, model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn, ds_config,
+                        distributed_port, dist_init_required, mpu, mesh_param)
     for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
         if value is not None:
             raise UnsupportedModelError(f"{name}= is not supported: the pipeline grid comes from the "
                                         "PipelineModule (and is rebuilt among the survivors after a failure)")
-    from ds_recycle.resilience.world import init_worker
-
-    world = init_worker()
+    world = _init_distributed(distributed_port, dist_init_required)
     holes = model._grid.workers if isinstance(model._grid, SurvivorGrid) else None  # built with absent workers
     cfg = job_config(ds_config, stages=model.num_stages, cpu=not torch.cuda.is_available(),
                      world_size=world.world_size if holes is None else holes.stages * holes.pipelines,
@@ -110,27 +112,42 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine.job_config, engine.rng_seed = cfg, cfg.recycle.rng_seed
     _close_at_exit(engine)
     if world.resilient:
-        from ds_recycle.resilience.runner import ResilientRunner
+        from ds_recycle.resilience.handler import FailureHandler
 
-        engine.resilience = ResilientRunner(engine, cfg, rejoining=world.rejoining)
-        _resume_after_fallback(engine)
+        _resume_after_fallback(engine, FailureHandler(engine, cfg, rejoining=world.rejoining))
     logger.info("ds_recycle engine: %d stages x %d pipelines, %d micro-batches, schedule %s, failure handling %s",
                 cfg.recycle.stages, cfg.recycle.pipelines, cfg.micro_batches, cfg.recycle.schedule,
                 "on" if world.resilient else "off (use ds-recycle launch)")
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
-def _resume_after_fallback(engine: RecyclePipelineEngine) -> None:
+def _init_distributed(distributed_port: int, dist_init_required: bool | None) -> Any:
+    """``torch.distributed`` as ``deepspeed.initialize`` leaves it (see :func:`initialize`), through
+    :func:`~ds_recycle.resilience.world.init_worker`; the worker's place in the job."""
+    import os
+
+    import torch.distributed as dist
+
+    from ds_recycle.resilience.world import init_worker
+
+    if dist_init_required is False and not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call deepspeed.init_distributed() before "
+                           "ds_recycle.initialize, or pass dist_init_required=None or True")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))  # DeepSpeed uses it where no launcher set one
+    return init_worker()
+
+
+def _resume_after_fallback(engine: RecyclePipelineEngine, handler: Any) -> None:
     """A job restarted from its checkpoint after a whole stage was lost: load it, so that a script that never
     loads checkpoints itself resumes too. Its loop starts again from its first step: the calls up to the
     checkpoint's iteration return at once (a NaN loss), as for a worker that joined a running job; a script that
     does call ``engine.load_checkpoint`` itself resumes where it says."""
-    runner = engine.resilience
-    directory = runner.resume_directory() if runner is not None and runner.joined_at is None else None
+    directory = handler.resume_directory() if handler.joined_at is None else None
     if directory is None:
         return
     path, _ = engine.load_checkpoint(directory)
-    engine._calls = 0
+    engine.resume_calls_at(0)
     logger.warning("resumed from the checkpoint %s after the fallback (iteration %d): the loop's first %d calls "
                    "return at once", path, engine.iteration, engine.iteration)
 
@@ -207,16 +224,18 @@ def _build_engine(model: PipelineModule, optimizer: Any, model_parameters: Itera
 
 
 def _vanilla(args: Any, model: PipelineModule, optimizer: Any, model_parameters: Any, training_data: Any,
-             lr_scheduler: Any, collate_fn: Any, ds_config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
-    """``"recycle": {"enabled": false}``: DeepSpeed's own engine, for the same script and config."""
+             lr_scheduler: Any, collate_fn: Any, ds_config: dict[str, Any], distributed_port: int,
+             dist_init_required: bool | None, mpu: Any, mesh_param: Any) -> tuple[Any, Any, Any, Any]:
+    """``"recycle": {"enabled": false}``: DeepSpeed's own engine, for the same script and config (every argument
+    is handed to ``deepspeed.initialize``)."""
     import deepspeed
 
-    from ds_recycle.resilience.world import init_worker
-
-    init_worker()
+    _init_distributed(distributed_port, dist_init_required)
     plain = {k: v for k, v in ds_config.items() if k != "recycle"}
     if args is not None and hasattr(args, "deepspeed_config"):  # DeepSpeed refuses a config given twice
         args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "deepspeed_config"})
     return tuple(deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                       model_parameters=model_parameters, training_data=training_data,
-                                      lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=plain))
+                                      lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=plain,
+                                      distributed_port=distributed_port, dist_init_required=dist_init_required,
+                                      mpu=mpu, mesh_param=mesh_param))

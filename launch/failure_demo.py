@@ -34,8 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ds_recycle.events import AgreementEvent, RecoveredEvent, RejoinEvent, events_of, parse_event  # noqa: E402
 from ds_recycle.resilience.faults import parse_fault  # noqa: E402
-from ds_recycle.tools.goodput import events_of_kind  # noqa: E402
 from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, Watchdog, rank_of  # noqa: E402
 
 POLL_S = 0.1
@@ -65,32 +65,17 @@ def _env() -> dict[str, str]:
     return {"WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
 
 
-def _event_text(event: dict[str, Any]) -> str:
-    kind = event.get("kind", "?")
-    if kind == "failure":
-        return f"FAILURE: lost worker(s) {event.get('lost_workers')} ({str(event.get('reason', ''))[:60]})"
-    if kind == "recovered":
-        return (f"recovered: failure -> first full iteration {event.get('failure_to_full_iteration_s', 0):.2f} s"
-                f"{' (in-flight iteration salvaged)' if event.get('salvaged') else ''}")
-    if kind == "rejoin":
-        return f"REJOIN: worker(s) {event.get('workers')} back at iteration {event.get('iteration')}"
-    if kind == "plan_switch":
-        return f"plan switch: absent {event.get('absent')}, {event.get('rerouted')} re-routed micro-batch steps"
-    if kind in ("fallback", "resumed", "checkpoint"):
-        return f"{kind}: {', '.join(f'{k}={v}' for k, v in event.items() if k not in ('kind', 'time_s'))}"
-    return kind
-
-
 def _show(name: str, records: list[dict[str, Any]]) -> None:
-    """One line per finished iteration, and the failure events as they happen."""
+    """One line per finished iteration, and the failure events as they happen (each read through
+    :mod:`ds_recycle.events`, which words it)."""
     for rec in records:
         loss = rec.get("loss")
         print(f"  {name:<9} iter {rec['iter']:>3}  loss {loss if loss is None else f'{loss:.4f}'}  "
               f"{rec['iter_time_s']:.2f} s  live {rec.get('live_workers', '?')}  "
               f"re-routed {rec.get('rerouted_microbatches', 0)}", flush=True)
-        for event in rec.get("events") or []:
-            if event.get("kind") != "agreement":
-                print(f"  {name:<9}   -> {_event_text(event)}", flush=True)
+        for event in (parse_event(e) for e in rec.get("events") or []):
+            if not isinstance(event, AgreementEvent):
+                print(f"  {name:<9}   -> {event.describe()}", flush=True)
 
 
 def _follow(job: TrainJob, tail: MetricsTail, until: Callable[[], bool], what: str, name: str) -> None:
@@ -186,8 +171,9 @@ def run_vanilla(args: argparse.Namespace, common: list[str], out: Path) -> Side:
 
 
 def table(args: argparse.Namespace, recycle: Side, vanilla: Side) -> None:
-    rejoins = [e["time_s"] for e in events_of_kind(recycle.lives, "rejoin")]
-    recycle_kills = [e["killed_at"] for e in events_of_kind(recycle.lives, "recovered") if e.get("killed_at")]
+    rejoins = [e.time_s for e in events_of(recycle.lives, RejoinEvent)]
+    recovered = events_of(recycle.lives, RecoveredEvent)
+    recycle_kills = [e.killed_at for e in recovered if e.killed_at is not None]
     redone_v = vanilla.lives[0][-1]["iter"] + 1 - vanilla.lives[1][0]["iter"]
     print(f"{'system':<22}{'to final model s':>17}{'iterations lost':>19}{'goodput it/s':>14}"
           f"{'failure at s':>14}{'rejoin at s':>13}{'restarted at s':>16}")
@@ -198,12 +184,9 @@ def table(args: argparse.Namespace, recycle: Side, vanilla: Side) -> None:
     for side, redone, fail, rejoin, restart in rows:
         t = side.time_to_model_s
         print(f"{side.name:<22}{t:>17.1f}{redone:>19}{args.steps / t:>14.3f}{fail:>14}{rejoin:>13}{restart:>16}")
-    rec = next(iter(events_of_kind(recycle.lives, "recovered")), None)
-    if rec:
-        how = (f"salvaged, {rec.get('kept_weight_gradients', 0)} weight gradients kept" if rec.get("salvaged")
-               else "redone")
-        print(f"ds_recycle: failure -> first full iteration {rec['failure_to_full_iteration_s']:.3f} s "
-              f"(in-flight iteration {rec['redo_iteration']} {how})")
+    for rec in recovered:
+        print(f"ds_recycle: failure -> first full iteration {rec.failure_to_full_iteration_s:.3f} s "
+              f"({rec.repair_summary()})")
     print("times are seconds since each job's launch; 'iterations lost' counts finished iterations rolled back "
           "(vanilla: to its checkpoint, and its partial iteration is lost too)")
 
@@ -219,14 +202,14 @@ def plot(args: argparse.Namespace, sides: list[Side], path: Path) -> None:
         for i, life in enumerate(side.lives):
             ax.plot([r["unix_time"] - side.started_at for r in life], [r["tokens_per_s"] or 0.0 for r in life],
                     color=color, marker=".", label=side.name if i == 0 else None)
-        kills = [k.time_s for k in side.kills] or [e["killed_at"] for e in events_of_kind(side.lives, "recovered")
-                                                    if e.get("killed_at")]
+        kills = [k.time_s for k in side.kills] or [e.killed_at for e in events_of(side.lives, RecoveredEvent)
+                                                    if e.killed_at is not None]
         for t in kills:
             ax.axvline(t - side.started_at, color=color, ls="--", lw=1, label=f"{side.name}: worker killed")
     for t in sides[1].job_starts[1:]:
         ax.axvline(t - sides[1].started_at, color="gray", ls=":", label="vanilla restarted from its checkpoint")
-    for i, e in enumerate(events_of_kind(sides[0].lives, "rejoin")):
-        ax.axvline(e["time_s"] - sides[0].started_at, color="green", ls="-.", label="ds_recycle: rejoin" if i == 0
+    for i, e in enumerate(events_of(sides[0].lives, RejoinEvent)):
+        ax.axvline(e.time_s - sides[0].started_at, color="green", ls="-.", label="ds_recycle: rejoin" if i == 0
                    else None)
     ax.set_xlabel("wall-clock time since the job's launch (s)")
     ax.set_ylabel("tokens/s")

@@ -71,7 +71,7 @@ def main() -> None:
         loss = engine.train_batch()
         stamp = time.time()
         for event in getattr(engine, "recycle_events", list)():
-            print(f"event {json.dumps(event, default=str)}", flush=True)
+            print(f"event {json.dumps(event.to_dict())}", flush=True)
         if reporter():
             print(f"step {step} loss {float(loss):.6f} t {stamp:.6f}", flush=True)
     cpu = time.process_time() - cpu0

@@ -14,7 +14,11 @@ DeepSpeed's):
   ``1/M`` itself, as DeepSpeed's ``backward`` does;
 - transfers go to explicit global ranks (:mod:`ds_recycle.engine.p2p`), so a stage can feed and be fed by
   another pipeline's workers; DeepSpeed's start-up handshake through ``pipe.p2p`` (same-pipeline
-  neighbours only) is skipped.
+  neighbours only) is skipped;
+- every communication goes through one :class:`~ds_recycle.engine.transport.Transport`, and the entry points
+  (``train_batch``, ``eval_batch``, checkpoints, ``finish``, ``close``) run through a
+  :class:`~ds_recycle.engine.driver.Driver`: both are replaced by the failure handler under ``ds-recycle
+  launch``, through the hook surface of :mod:`ds_recycle.engine.driver` (nothing else writes the engine).
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Protocol, cast
 
@@ -36,17 +40,20 @@ from ds_recycle.engine import ds_checkpoint
 from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input, grad_buffers
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
+from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel
+from ds_recycle.engine.position import IterationProgress, KeptWork, Position
 from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.rng import micro_batch_rng
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
-from ds_recycle.engine.state import gather_state_dict
+from ds_recycle.engine.stage_state import StageState
 from ds_recycle.engine.tied import reduce_tied, tied_members, tied_weights
+from ds_recycle.engine.transport import DistTransport, Transport
+from ds_recycle.events import Event
 from ds_recycle.runtime.grid import SurvivorGrid
 
-__all__ = ["IterationProgress", "MicroBatchSourceLike", "RecyclePipelineEngine", "rerouted_pipelines",
-           "served_pipelines"]
+__all__ = ["MicroBatchSourceLike", "RecyclePipelineEngine", "rerouted_pipelines", "served_pipelines"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,21 +80,6 @@ class _Slot:
     input_grad: Payload | None = None
     """Gradient of ``inputs``, in the same form as ``grad_output``."""
     weight_work: WeightGradWork | None = None
-
-
-@dataclass
-class IterationProgress:
-    """What this worker has finished of ``iteration`` (the failure handler salvages it after a failure)."""
-
-    iteration: int
-    w_done: set[ins.MicroBatch] = field(default_factory=set)
-    """Micro-batches whose weight gradient is accumulated (W, or a fused B+W, ran)."""
-    loss_counted: set[ins.MicroBatch] = field(default_factory=set)
-    """Last stage: micro-batches whose loss is in the iteration's loss sum."""
-    awaiting_norm: bool = False
-    """Reduced and tied-weight summed: only the clipping norm was missing for the step."""
-    stepped: bool = False
-    """The stage's optimizer step of ``iteration`` is taken: from here on the iteration is final on this worker."""
 
 
 def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset[int], bool]:
@@ -134,6 +126,9 @@ def _without_pipe_handshake() -> Iterator[None]:
 class RecyclePipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` that runs this worker's part of a ReCycle plan each iteration."""
 
+    grid: Any
+    """The grid of the members (a :class:`~ds_recycle.runtime.grid.SurvivorGrid`; replaced per epoch)."""
+
     def __init__(self, *, plan: PlanLike, data: MicroBatchSourceLike, clip_scope: ClipScope = ClipScope.FIRST_STAGE,
                  **deepspeed_kwargs: Any) -> None:
         with _without_pipe_handshake():
@@ -153,21 +148,20 @@ class RecyclePipelineEngine(PipelineEngine):
         self.capture = OwnerCapture(self.module)
         if self.module.activation_checkpoint_interval > 0:  # recomputed segments (ds_recycle.engine.recompute)
             self.capture.per_owner = False
-        served, stage_rerouted = served_pipelines(plan, self.worker)
-        self.channel = PeerChannel(self.grid.p2p_group, self.workers.pipelines, self.micro_batches)
-        self.stepper = StaggeredOptimizer(
-            self.module, self.optimizer, stage=self.stage_id, pipelines=self.workers.pipelines,
-            dp_group=self.grid.get_data_parallel_group(), dp_ranks=self.grid.get_data_parallel_group_ranks(),
-            norm_group=self.grid.norm_group, max_norm=self.gradient_clipping(), scope=clip_scope,
-            lr_scheduler=self.lr_scheduler, served=served, stage_rerouted=stage_rerouted,
-            norm_source=min(self.workers.stage_ranks(0)), rerouted_pipelines=rerouted_pipelines(plan, self.stage_id),
-            microbatches=self.micro_batches)
-        self.reporter_rank = min(self.workers.stage_ranks(self.num_stages - 1))
+        self.clip_scope = clip_scope
         self.tied = tied_weights(self.module)
         """Parameters this stage shares with other stages (``TiedLayerSpec``; :mod:`ds_recycle.engine.tied`)."""
-        self.tied_transport: Callable[[str, torch.Tensor], None] = self._tied_groups()
-        """``all_reduce(group name, tensor)`` over the live holders of a tied weight (the failure handler's bounded
-        groups under ``ds-recycle launch``)."""
+        self.transport: Transport = DistTransport.of_grid(self.grid, self._tied_groups())
+        """Every transfer and collective of the engine (:mod:`ds_recycle.engine.transport`)."""
+        self.channel = PeerChannel(self.transport, self.workers.pipelines, self.micro_batches)
+        self.stepper = self._make_stepper()
+        self.reporter_rank = min(self.workers.stage_ranks(self.num_stages - 1))
+        self.driver: Driver = LocalDriver(self)
+        """Runs the entry points: directly, or through the failure handler (:mod:`ds_recycle.engine.driver`)."""
+        self.hooks: EngineHooks | None = None
+        """Checks before each instruction and each step (:meth:`attach_hooks`)."""
+        self._retired: list[tuple[PeerChannel, StaggeredOptimizer]] = []
+        """Channels and optimizers of past epochs: kept referenced (a peer may still be blocked in their groups)."""
         self.iteration = 0
         self._rerouted_cache: tuple[PlanLike, int] | None = None
         self.slots: dict[int, _Slot] = {}
@@ -184,10 +178,6 @@ class RecyclePipelineEngine(PipelineEngine):
         """When set, the next ``train_batch`` runs only what is left of the interrupted iteration."""
         self.op_seconds: dict[str, list[float]] | None = None
         """When a dict, each executed instruction's wall time is appended under its class name."""
-        self._loss_work: Any = None
-        self.loss_transport: tuple[Callable[[torch.Tensor, int], Any], Callable[[Any], None]] = (
-            self._broadcast_loss, lambda work: work.wait())
-        """How the loss goes from the reporter to the others: ``(broadcast(tensor, src) -> work, wait(work))``."""
         self._calls = 0
         self.rng_seed = 0
         """Base of the per-micro-batch RNG seeds (``recycle.rng_seed``; :mod:`ds_recycle.engine.rng`)."""
@@ -202,8 +192,6 @@ class RecyclePipelineEngine(PipelineEngine):
         """``train_batch`` calls so far (a worker that joined at iteration k returns its first k calls at once)."""
         self.job_config: Any = None
         """The resolved job config (:class:`~ds_recycle.config.job.JobConfig`), set by ``ds_recycle.initialize``."""
-        self.resilience: Any = None
-        """The failure handler (:class:`~ds_recycle.resilience.runner.ResilientRunner`) under ``ds-recycle launch``."""
 
     def _configure_bf16_optimizer(self, optimizer: Any) -> Any:
         """bf16: the optimizer steps fp32 master weights, whole on every replica (:mod:`ds_recycle.engine.precision`).
@@ -214,17 +202,144 @@ class RecyclePipelineEngine(PipelineEngine):
             raise ValueError("bf16 needs an optimizer: pass optimizer= or add an \"optimizer\" block to the config")
         return MasterWeightOptimizer(optimizer, [p for p in self.module.parameters() if p.requires_grad])
 
-    def _tied_groups(self) -> Callable[[str, torch.Tensor], None]:
+    def _tied_groups(self) -> Any:
+        """One ``torch.distributed`` group per tied weight, over its holders; ``name -> group``."""
         groups: dict[str, Any] = {}
         for t in self.tied:
             if t.name not in groups:  # created in the same order by every holder (use_local_synchronization)
                 groups[t.name] = dist.new_group(ranks=tied_members(t, self.workers.stage_ranks),
                                                 timeout=getattr(self.grid, "timeout", None),
                                                 use_local_synchronization=True)
+        return groups.__getitem__
 
-        def all_reduce(name: str, tensor: torch.Tensor) -> None:
-            dist.all_reduce(tensor, group=groups[name])
-        return all_reduce
+    def _make_stepper(self) -> StaggeredOptimizer:
+        """The stage's optimizer for the current workers, plan and transport."""
+        served, stage_rerouted = served_pipelines(self.plan, self.worker)
+        return StaggeredOptimizer(
+            self.module, self.optimizer, stage=self.stage_id, pipelines=self.workers.pipelines,
+            transport=self.transport, dp_ranks=self.workers.stage_ranks(self.stage_id),
+            max_norm=self.gradient_clipping(), scope=self.clip_scope, lr_scheduler=self.lr_scheduler, served=served,
+            stage_rerouted=stage_rerouted, norm_source=min(self.workers.stage_ranks(0)),
+            rerouted_pipelines=rerouted_pipelines(self.plan, self.stage_id), microbatches=self.micro_batches,
+            rank=self.global_rank)
+
+    # ------------------------------------------------------------------ the hook surface (engine.driver)
+    def attach_driver(self, driver: Driver) -> None:
+        """Run the entry points through ``driver`` (the failure handler) from now on."""
+        self.driver = driver
+
+    def attach_hooks(self, hooks: EngineHooks | None) -> None:
+        """Run ``hooks`` before each instruction and each optimizer step (None: no checks)."""
+        self.hooks = hooks
+
+    def keep_boundary_log(self) -> None:
+        """Keep the tensors sent and received at this stage's boundaries from now on (a repair may need them)."""
+        if self.boundary_log is None:
+            self.boundary_log = BoundaryLog()
+
+    def finish_step(self) -> None:
+        """Complete the last optimizer step (post-validation), as every iteration's first instruction does."""
+        self._exec_finish_optimizer_step()
+
+    def resume_calls_at(self, calls: int) -> None:
+        """The training loop's ``train_batch`` calls so far are ``calls`` (a resume or a join: the loop's first
+        ``calls`` calls return at once)."""
+        self._calls = calls
+
+    def install_epoch(self, setup: EpochSetup) -> None:
+        """Run on a new membership epoch: its workers, plan, grid and transport.
+
+        The micro-batches in flight are dropped (an interrupted iteration is resumed by :meth:`begin_repair`);
+        the optimizer's counters and kept norm contributions carry over.
+        """
+        old = self.stepper
+        self._retired.append((self.channel, old))
+        self.workers, self.plan, self.transport = setup.workers, setup.plan, setup.transport
+        self.grid = self.mpu = self.module._grid = setup.grid
+        self._schedules = [self._make_schedule(k) for k in range(self.plan.iterations)]
+        self.channel = PeerChannel(self.transport, self.workers.pipelines, self.micro_batches)
+        self.stepper = self._make_stepper()
+        self.stepper.clipped_steps = old.clipped_steps
+        self.stepper.adopt_contributions(old.kept_contributions())
+        if setup.reporter is not None:
+            self.reporter_rank = setup.reporter
+        last = self.workers.stage_ranks(self.workers.stages - 1)
+        if self.reporter_rank not in last:  # the metrics stay with one rank for as long as it lives
+            self.reporter_rank = min(last)
+        self.drop_slots()
+        self._loss_sum = None
+
+    def position(self) -> Position:
+        """Where this worker stands (reported to the other members after a failure)."""
+        prog = self.progress
+        stepped = prog.iteration if prog.iteration == self.iteration and prog.stepped else self.iteration - 1
+        served = tuple((d, i) for d in range(self.plan.pipelines) for i in range(self.plan.microbatches)
+                       if self.plan.worker_of(self.stage_id, (d, i)) == self.worker)
+        log = self.boundary_log
+        held = () if log is None else tuple(
+            (k, channel is Channel.GRAD, role is Role.RECEIVED, mb)
+            for k in (stepped, stepped + 1) for channel, role, mb in log.held(k))
+        in_flight = prog.iteration if not prog.stepped else prog.iteration + 1
+        awaiting = prog.awaiting_norm and not prog.stepped and prog.iteration == self.iteration
+        return Position(self.stage_id, stepped, in_flight, served,
+                        tuple(sorted(prog.w_done)) if not prog.stepped else (), held, awaiting)
+
+    def keep_work(self, completing: bool) -> KeptWork:
+        """What this worker keeps of the interrupted iteration (before a new epoch replaces its groups).
+
+        ``completing``: only the step was left (the reduced gradients stay); otherwise a reduction whose step was
+        not taken is undone and the rows are kept.
+        """
+        rows: dict[Any, Any] = {}
+        if not completing:
+            self.stepper.revert()
+            rows = self.stepper.partial_rows()
+        return KeptWork(self.iteration, self.progress, self._loss_sum, rows, completing)
+
+    def settle_step(self) -> None:
+        """Complete a step already taken, waiting for nothing (the epoch's groups are about to be replaced)."""
+        self.stepper.settle()
+
+    def begin_repair(self, kept: KeptWork, repair: Repair, iteration: int, committed: bool, dropped: bool) -> None:
+        """Go back to ``iteration`` (the interrupted one) and run only what ``repair`` leaves of it next.
+
+        ``kept`` is what this worker kept (:meth:`keep_work`); ``committed``: its stage stepped the iteration
+        before the failure; ``dropped``: its stage's partial sums are dropped (it redoes its part from the start).
+        """
+        if self.boundary_log is not None:
+            self.boundary_log.discard_from(iteration + 1)  # work of the next iteration, begun by committed stages
+        rows, loss_sum, progress = kept.rows, kept.loss_sum, kept.progress
+        if kept.completing:  # serves logs, then steps with the reduced gradients it holds (no rows to adopt)
+            progress = IterationProgress(iteration, awaiting_norm=True)
+        else:
+            if committed:  # stepped it: only serves logs (and the norm) in its repair
+                rows, loss_sum, progress = {}, None, IterationProgress(iteration, stepped=True)
+            elif dropped or progress.iteration != iteration:  # nothing of it kept on this stage
+                rows, loss_sum, progress = {}, None, IterationProgress(iteration)
+            self.stepper.adopt_rows(rows)
+        self._loss_sum, self.progress, self.repair = loss_sum, progress, repair
+        if kept.iteration < iteration:  # it stepped the one before but was still waiting for its loss
+            self.loss = self.agg_train_loss = torch.full((), float("nan"))  # nobody sends it again
+        self.iteration = iteration
+
+    def stage_state(self, carry_progress: bool = False) -> StageState:
+        """This stage's state to send to another replica (``carry_progress``: also the kept norm contributions
+        and losses, for a replica brought forward to a step it missed)."""
+        st = self.stepper
+        if carry_progress:
+            return StageState.of(self, clipped_steps=st.clipped_steps, contributions=st.kept_contributions(),
+                                 losses=dict(self._losses))
+        return StageState.of(self, clipped_steps=st.clipped_steps)
+
+    def load_stage_state(self, state: StageState) -> None:
+        """Take another replica's :meth:`stage_state`."""
+        state.restore(self)
+        if state.clipped_steps is not None:
+            self.stepper.clipped_steps = state.clipped_steps
+        if state.contributions is not None:
+            self.stepper.adopt_contributions(state.contributions)
+        if state.losses is not None:
+            self._losses.update(state.losses)
 
     # ------------------------------------------------------------------ schedule and loop
     def _make_schedule(self, iteration: int) -> PlanSchedule:
@@ -246,7 +361,7 @@ class RecyclePipelineEngine(PipelineEngine):
         As DeepSpeed's ``train_batch``. Under ``ds-recycle launch`` the engine's failure handler keeps it
         going through worker failures: a call returns once the iteration is complete, whoever computed it.
         ``data_iter`` (optional) replaces the data source: it must be addressable (see
-        :func:`ds_recycle.data.addressable.from_data_iter`), because a peer may have to load another
+        :meth:`ds_recycle.data.addressable.DeepSpeedOrder.from_data_iter`), because a peer may have to load another
         pipeline's micro-batches.
         """
         if data_iter is not None:
@@ -254,10 +369,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self._calls += 1
         if self._calls <= self.iteration:  # a restarted worker that joined at a later iteration: its loop catches up
             return torch.full((), float("nan"))
-        if self.resilience is not None:
-            return self.resilience.train_batch()
-        self.run_iteration()
-        return self.loss
+        return self.driver.train_batch()
 
     def run_iteration(self) -> torch.Tensor | None:
         """Run this worker's part of one iteration of the plan, then share its loss (see :meth:`_share_loss`).
@@ -274,13 +386,12 @@ class RecyclePipelineEngine(PipelineEngine):
                 self.boundary_log.begin(self.iteration)
         self._exec_schedule(schedule)
         self._iteration_loss = self._losses.get(self.iteration) if self.is_reporter() else None
-        broadcast, wait = self.loss_transport
-        self._share_loss(broadcast, wait)
+        self._share_loss()
         self.repair = None
         self.iteration += 1
         return self._iteration_loss
 
-    def _share_loss(self, broadcast: Callable[[torch.Tensor, int], Any], wait: Callable[[Any], None]) -> torch.Tensor:
+    def _share_loss(self) -> torch.Tensor:
         """The last iteration's loss, from the reporter to every rank (DeepSpeed returns it everywhere).
 
         The reporter posts it and goes on (its send completes by the next iteration's end); the others wait
@@ -288,20 +399,9 @@ class RecyclePipelineEngine(PipelineEngine):
         """
         loss = self._iteration_loss
         value = torch.full((), float("nan")) if loss is None else loss.detach().float().reshape(()).clone()
-        work = broadcast(value, self.reporter_rank)
-        if not self.is_reporter():
-            wait(work)
+        self.transport.share_loss(value, self.reporter_rank)
         self.loss = self.agg_train_loss = value
         return value
-
-    def _broadcast_loss(self, tensor: torch.Tensor, src: int) -> Any:
-        previous, self._loss_work = self._loss_work, None
-        if previous is not None:
-            previous.wait()
-        work = dist.broadcast(tensor, src, group=self.grid.world_proc_group, async_op=True)
-        if self.is_reporter():
-            self._loss_work = work
-        return work
 
     def _addressable(self, data_iter: Any) -> MicroBatchSourceLike:
         """``data_iter`` as an addressable source (built once per iterator object: loops pass the same one)."""
@@ -337,9 +437,7 @@ class RecyclePipelineEngine(PipelineEngine):
                 data_iter, self.micro_batches, data_parallel_size=self.workers.pipelines,
                 data_parallel_rank=self.worker[0]))
         step, self._eval_step = self._eval_step, self._eval_step + 1
-        if self.resilience is not None:
-            return self.resilience.evaluate(lambda: self.run_evaluation(step))
-        return self.run_evaluation(step)
+        return self.driver.run(lambda: self.run_evaluation(step), "evaluation")
 
     def run_evaluation(self, step: int) -> torch.Tensor:
         """One evaluation pass at eval step ``step``; every rank returns the mean loss over all pipelines."""
@@ -358,15 +456,8 @@ class RecyclePipelineEngine(PipelineEngine):
             self.drop_slots()
             self.module.train()
         sums = self._eval_sums
-        self._reduce_eval(sums)
+        self.transport.all_reduce_members(sums, "evaluation loss")
         return sums.sum() / (self.workers.pipelines * self.micro_batches)
-
-    def _reduce_eval(self, sums: torch.Tensor) -> None:
-        """Sum the per-pipeline loss sums over every live rank (hook: the failure handler bounds it)."""
-        if self.resilience is not None:
-            self.resilience.all_reduce_sum(sums, "evaluation loss")
-        else:
-            dist.all_reduce(sums, group=self.grid.world_proc_group)
 
     def finish(self) -> StepOutcome | None:
         """Complete the last optimizer step (post-validation) and outstanding sends; call after training.
@@ -374,30 +465,27 @@ class RecyclePipelineEngine(PipelineEngine):
         Parameters read right after the last ``train_batch`` may still see a step that post-validation
         redoes with clipping; after ``finish`` (also run at exit) they are final.
         """
-        if self.resilience is not None:
-            self.resilience.finish()
-            return self.last_step
-        return self.finish_local()
+        self.driver.finish()
+        return self.last_step
 
     def finish_local(self) -> StepOutcome | None:
         """:meth:`finish` on this worker alone (no failure handling)."""
         self._exec_finish_optimizer_step()
         self.channel.wait_sends()
-        if self._loss_work is not None:
-            self._loss_work.wait()
-            self._loss_work = None
+        self.transport.flush()
         self.stepper.close()
         return self.last_step
 
     # ------------------------------------------------------------------ what a training loop reads
-    def recycle_events(self) -> list[dict[str, Any]]:
-        """Failures, agreements, plan switches, recoveries, rejoins, checkpoints since the last call."""
-        return self.resilience.drain_events() if self.resilience is not None else []
+    def recycle_events(self) -> list[Event]:
+        """Failures, agreements, plan switches, recoveries, rejoins, checkpoints since the last call
+        (:mod:`ds_recycle.events`)."""
+        return self.driver.drain_events()
 
     @property
     def live_workers(self) -> int:
         """Workers alive in the job now."""
-        return len(self.resilience.members) if self.resilience is not None else self.workers.world_size
+        return self.workers.world_size
 
     @property
     def rerouted_microbatches(self) -> int:
@@ -411,11 +499,7 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's final parameters by name (all stages) on the reporter; None on other ranks."""
-        if self.resilience is not None:
-            return self.resilience.gather_final_state()
-        self.finish_local()
-        return gather_state_dict(self.module, contributes=self.global_rank == self.workers.stage_ranks(self.stage_id)[0],
-                                 dst=self.reporter_rank)
+        return self.driver.gather_final_state()
 
     # ------------------------------------------------------------------ checkpoints (DeepSpeed's layout)
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None,
@@ -436,18 +520,7 @@ class RecyclePipelineEngine(PipelineEngine):
         def latest() -> None:
             if save_latest:
                 ds_checkpoint.write_latest(save_dir, tag)
-        if self.resilience is not None:
-            if self.resilience.fallback_directory is None:  # a lost stage falls back to the user's checkpoints
-                self.resilience.fallback_directory, self.resilience.named_by_engine = save_dir, True
-            self.resilience.save_checkpoint(save_dir, self.iteration, write=write, latest=latest)
-            return True
-        self._exec_finish_optimizer_step()
-        if self.global_rank == self.workers.stage_ranks(self.stage_id)[0]:
-            write()
-        dist.barrier(group=self.grid.world_proc_group)
-        if self.global_rank == min(self.workers.ranks.values()):
-            latest()
-        dist.barrier(group=self.grid.world_proc_group)
+        self.driver.save_checkpoint(save_dir, self.iteration, write, latest, named_by_engine=True)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -460,7 +533,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn is not supported by RecyclePipelineEngine.load_checkpoint")
-        if self.resilience is not None and self.resilience.joined_at is not None:
+        if self.driver.joined_at is not None:
             self._calls = self.iteration  # this worker's state came from a live replica, newer than any checkpoint
             return None, {}
         only_module = load_module_only
@@ -470,8 +543,7 @@ class RecyclePipelineEngine(PipelineEngine):
                                                 strict=load_module_strict)
         if path is not None:
             self._calls = self.iteration
-            if self.resilience is not None:
-                self.resilience.resumed_at(self.iteration, load_dir)
+            self.driver.resumed_at(self.iteration, load_dir)
         return path, client
 
     def close(self) -> None:
@@ -479,22 +551,19 @@ class RecyclePipelineEngine(PipelineEngine):
         if self._closed:
             return
         self._closed = True
-        if self.resilience is not None:
-            self.resilience.close()
-            return
-        self.finish_local()
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        self.driver.close()
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        hooks = self.hooks
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{type(self).__name__} has no handler for instruction {cmd!r}; "
                                        "register its exact type in _INSTRUCTION_MAP")
+                if hooks is not None:
+                    hooks.before_instruction(cmd)
                 if self.op_seconds is None:
                     MethodType(handler, self)(**cmd.kwargs)
                     continue
@@ -644,8 +713,8 @@ class RecyclePipelineEngine(PipelineEngine):
             loss_sum = torch.zeros(())
         total = self.stepper.reduce(loss_sum)  # the rows are kept as they were until the step
         if self.tied:  # one gradient for every copy of a weight tied across stages
-            reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0], self.tied_transport,
-                        holder=self.stepper.holder)
+            reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0],
+                        self.transport.tied_all_reduce, holder=self.stepper.holder)
         if total is not None:
             self._losses[self.iteration] = total / (self.workers.pipelines * self.micro_batches)
             self._losses.pop(self.iteration - 2, None)
@@ -653,6 +722,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self._exec_complete_optimizer_step(synchronous)
 
     def _exec_complete_optimizer_step(self, synchronous: bool = False) -> None:
+        if self.hooks is not None:
+            self.hooks.before_step()
         self.stepper.step(self.iteration, synchronous)
         self.progress.stepped = True
         if self.boundary_log is not None:

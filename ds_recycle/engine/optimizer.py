@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_recycle.engine.precision import MasterWeightOptimizer
+from ds_recycle.engine.transport import Transport
 
 __all__ = ["ClipScope", "StepOutcome", "StaggeredOptimizer"]
 
@@ -108,7 +109,7 @@ class StaggeredOptimizer:
     """One stage's gradient reduction and optimizer step (see the module docstring)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int, pipelines: int,
-                 dp_group: Any, dp_ranks: list[int], norm_group: Any, max_norm: float,
+                 transport: Transport | None, dp_ranks: list[int], max_norm: float,
                  scope: ClipScope = ClipScope.FIRST_STAGE, lr_scheduler: Any = None,
                  served: frozenset[int] = frozenset(), stage_rerouted: bool = False,
                  norm_source: int = 0, canonical_order: bool = True,
@@ -118,9 +119,10 @@ class StaggeredOptimizer:
         self.optimizer = optimizer
         self.stage = stage
         self.pipelines = pipelines
-        self.dp_group = dp_group
+        self.transport = transport
+        """How the reduction and the norm exchange travel (:mod:`ds_recycle.engine.transport`); None: a stage
+        with one replica and no clipping, which never communicates."""
         self.dp_size = len(dp_ranks)
-        self.norm_group = norm_group
         self.max_norm = float(max_norm)
         self.scope = scope
         self.lr_scheduler = lr_scheduler
@@ -159,31 +161,29 @@ class StaggeredOptimizer:
         self.microbatches = microbatches
         self.dp_ranks = sorted(dp_ranks)
 
-    # Communication hooks: a subclass routes them through other groups (e.g. bounded, per-epoch ones).
+    # Communication, through the transport.
+    def _net(self) -> Transport:
+        if self.transport is None:
+            raise RuntimeError(f"stage {self.stage}'s optimizer has no transport but must communicate")
+        return self.transport
+
     def _all_reduce_stage(self, tensor: torch.Tensor) -> None:
-        """SUM ``tensor`` in place over the stage's live replicas (blocking)."""
-        dist.all_reduce(tensor, group=self.dp_group)
+        self._net().stage_all_reduce(tensor)
 
     def _all_to_all_stage(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        """Replica ``j`` receives the ``j``-th of ``len(dp_ranks)`` equal slices of every replica's ``tensor``,
-        in rank order, in ``output`` (blocking)."""
-        dist.all_to_all_single(output, tensor, group=self.dp_group)
+        self._net().stage_all_to_all(output, tensor)
 
     def _all_gather_stage(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        """Every replica's ``tensor`` into ``outputs``, in rank order (blocking)."""
-        dist.all_gather(outputs, tensor, group=self.dp_group)
+        self._net().stage_all_gather(outputs, tensor)
 
     def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
-        """Post the broadcast of the norm from global rank ``src`` over the norm group; returns the work."""
-        return dist.broadcast(tensor, src=src, group=self.norm_group, async_op=True)
+        return self._net().post_broadcast(tensor, src)
 
     def _all_reduce_norm(self, tensor: torch.Tensor) -> Any:
-        """Post the SUM all-reduce of the norm contributions over the norm group; returns the work."""
-        return dist.all_reduce(tensor, group=self.norm_group, async_op=True)
+        return self._net().post_all_reduce(tensor)
 
     def _wait(self, work: Any) -> None:
-        """Wait for an operation posted by the two methods above."""
-        work.wait()
+        self._net().wait(work, "clipping norm exchange")
 
     def _key(self, pipeline: int, microbatch: int) -> RowKey:
         """The gradient row micro-batch ``(pipeline, microbatch)`` accumulates into."""

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ds_recycle.engine.instructions import MicroBatch
+from ds_recycle.engine.transport import Transport
 
 __all__ = ["DTYPES", "Channel", "Payload", "PeerChannel", "decode_header", "encode_header"]
 
@@ -93,8 +93,8 @@ def decode_header(meta: torch.Tensor, peer: int) -> tuple[bool, list[TensorSpec]
 class PeerChannel:
     """Tagged, explicit-peer sends and receives for one worker."""
 
-    def __init__(self, group: Any, pipelines: int, microbatches: int) -> None:
-        self.group = group
+    def __init__(self, transport: Transport, pipelines: int, microbatches: int) -> None:
+        self.transport = transport
         self.pipelines = pipelines
         self.microbatches = microbatches
         self._pending: list[tuple[Any, torch.Tensor]] = []
@@ -135,21 +135,17 @@ class PeerChannel:
         return buffer
 
     def _post(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        work = dist.isend(tensor, dst=peer, group=self.group, tag=tag)
-        self._pending.append((work, tensor))
+        self._pending.append((self.transport.isend(tensor, peer, tag), tensor))
 
     def _recv(self, buffer: torch.Tensor, peer: int, tag: int) -> None:
-        dist.recv(buffer, src=peer, group=self.group, tag=tag)
+        self.transport.recv((buffer,), peer, (tag,))
 
     def _recv_parts(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
         """Receive into several buffers: all posted first, then waited for."""
-        works = [dist.irecv(b, src=peer, group=self.group, tag=t) for b, t in zip(buffers, tags)]
-        for work in works:
-            if work is not None:  # None only on a rank outside the group, which cannot be a peer
-                work.wait()
+        self.transport.recv(buffers, peer, tags)
 
     def wait_sends(self) -> None:
-        """Wait until every posted send was received (each wait bounded by the group timeout)."""
+        """Wait until every posted send was received."""
         pending, self._pending = self._pending, []
         for work, _ in pending:
-            work.wait()
+            self.transport.wait(work, "send completion")

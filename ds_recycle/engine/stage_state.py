@@ -15,7 +15,11 @@ __all__ = ["StageState"]
 
 @dataclass(frozen=True)
 class StageState:
-    """A stage's parameters, optimizer state, learning-rate schedule and counters at ``iteration``."""
+    """A stage's parameters, optimizer state, learning-rate schedule and counters at ``iteration``.
+
+    ``clipped_steps`` and, for a replica brought forward to a step it missed, the clipping-norm contributions
+    and losses of the last stepped iterations (None: not carried) ride along.
+    """
 
     iteration: int
     params: list[torch.Tensor]
@@ -23,15 +27,21 @@ class StageState:
     lr_scheduler: dict[str, Any] | None
     global_steps: int
     global_samples: int
+    clipped_steps: int | None = None
+    contributions: dict[int, torch.Tensor] | None = None
+    losses: dict[int, torch.Tensor] | None = None
 
     @classmethod
-    def of(cls, engine: Any) -> StageState:
+    def of(cls, engine: Any, **extra: Any) -> StageState:
         """The engine's state as it is (references: serialize it before the engine moves on)."""
         sched = engine.lr_scheduler
         return cls(engine.iteration, [p.detach() for p in engine.module.parameters()], engine.optimizer.state_dict(),
-                   sched.state_dict() if sched is not None else None, engine.global_steps, engine.global_samples)
+                   sched.state_dict() if sched is not None else None, engine.global_steps, engine.global_samples,
+                   **extra)
 
     def restore(self, engine: Any) -> None:
+        """Parameters, optimizer and schedule state, counters and iteration into ``engine`` (the extras are the
+        engine's to adopt)."""
         with torch.no_grad():
             for p, saved in zip(engine.module.parameters(), self.params):
                 p.copy_(saved)

@@ -1,23 +1,24 @@
 """Hosts as units of failure: node heartbeats, the watch that declares a silent node lost, and host events.
 
-Every launcher that does not host the store holds a *lease* on it (:class:`Lease`): it bumps
-``ds_recycle/node_hb/<k>`` at every store poll (0.25 s), with the store client's timeout set to the *fence
-time* (half of ``--node_timeout``). Whoever hosts the store (node 0's launcher, or ``ds-recycle store``) runs
+Every launcher that does not host the store holds a *lease* on it (:class:`Lease`): a thread of its own bumps
+``ds_recycle/node_hb/<k>`` every 0.25 s through a store client of its own, whose timeout is the *fence time*
+(half of ``--node_timeout``). Whoever hosts the store (node 0's launcher, or ``ds-recycle store``) runs
 the :class:`NodeWatch`: a node whose heartbeat counter has not moved for ``--node_timeout`` seconds (its host
 died, or its link is cut) is declared lost: every rank of that node without an exit key gets exit code 75
 (lost) through ``compare_set``, the exit counter moves (so the workers' failure handler sees the loss within
 milliseconds, as for a single dead worker), then ``ds_recycle/node_lost/<k>`` is written and a ``host_lost``
 event recorded.
 
-No split brain: a launcher cut off from the store fails its next store operation within the fence time and
-SIGKILLs its own workers at once (:meth:`Lease.fence`), before the watch can declare it lost (fence time <
-node timeout), so its workers never train on or write a checkpoint after the others went on without them.
-The cut-off launcher then tries to reconnect (every second, for ``--store_timeout`` seconds; then it exits
-with code 75, lost). Once connected again it waits until the watch has declared its node lost (so the watch
-never writes an exit key over a restarted rank), restarts its ranks as restarted ones (they rejoin the running
-job, or enter the fallback's new generation), deletes ``node_lost/<k>`` and records ``host_partitioned`` and
-``host_back``. A launcher started on a host whose node already beat before (the host was lost and its launcher
-is started again, ``ds-recycle launch --no_ssh --node_rank K``) does the same from its start.
+No split brain: when no heartbeat of a launcher has completed for the fence time, the lease's watch thread
+SIGKILLs the node's workers at once, before the watch can declare the node lost (fence time < node timeout),
+so its workers never train on or write a checkpoint after the others went on without them. The cut-off
+launcher then only reads the store, and exits with code 75 (lost) when the store has not answered for
+``--store_timeout`` seconds. Once the store answers again it waits until the watch has declared its node lost
+(so the watch never writes an exit key over a restarted rank), restarts its unfinished ranks as restarted ones
+(they rejoin the running job, or enter the fallback's new generation), deletes ``node_lost/<k>`` and records
+``host_partitioned`` and ``host_back``. A launcher started for a node that already beat before (the host was
+lost and its launcher is started again, by hand with ``ds-recycle launch --no_ssh --node_rank K`` or by node 0
+over ssh) does the same from its start.
 
 Keys (UTF-8 text): ``ds_recycle/node_hb/<k>`` (counter), ``ds_recycle/layout`` (the job's layout, written by
 node 0, read by a ``ds-recycle store`` service), ``ds_recycle/node_timeout``, ``ds_recycle/node_lost/<k>``
@@ -32,10 +33,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.distributed import Store
 
+from ds_recycle.events import Event, HostEvent, HostLostEvent, parse_event
 from ds_recycle.launcher.hosts import Layout
 from ds_recycle.launcher.worker import LOST_EXIT_CODE
 from ds_recycle.runtime import job_store as keys
@@ -44,6 +46,8 @@ __all__ = ["HOST_EVENTS_KEY", "LAYOUT_KEY", "NODE_TIMEOUT_KEY", "HostEvents", "L
            "node_hb_key", "node_lost_key", "node_ranks", "record_host_event"]
 
 logger = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=HostEvent)
 
 LAYOUT_KEY = "ds_recycle/layout"
 NODE_TIMEOUT_KEY = "ds_recycle/node_timeout"
@@ -73,14 +77,15 @@ def node_ranks(layout: Layout, node_rank: int) -> list[int]:
     return list(range(first, first + len(layout.nodes[node_rank].slots)))
 
 
-def record_host_event(store: Store, kind: str, layout: Layout, node_rank: int, **details: Any) -> dict[str, Any]:
-    """Append one host event to the store's list (read by the metrics reporter) and log it."""
-    event = {"kind": kind, "time_s": time.time(), "node": node_rank, "host": layout.nodes[node_rank].host,
-             "ranks": node_ranks(layout, node_rank), **details}
+def record_host_event(store: Store, kind: type[E], layout: Layout, node_rank: int, **details: Any) -> E:
+    """Append one host event (:mod:`ds_recycle.events`) to the store's list (read by the metrics reporter) and
+    log it."""
+    event = kind(node=node_rank, host=layout.nodes[node_rank].host, ranks=tuple(node_ranks(layout, node_rank)),
+                 **details)
     index = store.add(HOST_EVENTS_KEY, 1)
-    store.set(host_event_key(index), json.dumps(event))
-    logger.warning("host event %s: node %d (%s) %s", kind, node_rank, event["host"], details,
-                   extra={"event": kind, **event})
+    store.set(host_event_key(index), json.dumps(event.to_dict()))
+    logger.warning("host event %s: node %d (%s) %s", event.kind, node_rank, event.host, details,
+                   extra={"event": event.kind, **event.to_dict()})
     return event
 
 
@@ -91,9 +96,10 @@ class HostEvents:
         self.store = store
         self._seen = 0
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self) -> list[Event]:
         count = self.store.add(HOST_EVENTS_KEY, 0)
-        events = [json.loads(self.store.get(host_event_key(i)).decode()) for i in range(self._seen + 1, count + 1)]
+        events = [parse_event(json.loads(self.store.get(host_event_key(i)).decode()))
+                  for i in range(self._seen + 1, count + 1)]
         self._seen = count
         return events
 
@@ -140,7 +146,7 @@ class NodeWatch:
         reason = f"no heartbeat for {silent_s:.1f} s (host lost or cut off)"
         store.set(node_lost_key(k), reason)
         self.lost.add(k)
-        record_host_event(store, "host_lost", self.layout, k, silent_s=round(silent_s, 3), marked_lost=marked,
+        record_host_event(store, HostLostEvent, self.layout, k, silent_s=round(silent_s, 3), marked_lost=tuple(marked),
                           node_timeout_s=self.node_timeout_s)
 
 

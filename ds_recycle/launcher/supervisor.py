@@ -5,7 +5,8 @@ signal arrives (``SIGCHLD`` through :func:`signal.set_wakeup_fd`, so a death is 
 until its next timer (a restart, the end of a grace period, the poll of the store). The reaction to each
 exit is :func:`ds_recycle.launcher.policy.decide`, and the answer to each restart request (``ds-recycle
 restart``) is :func:`ds_recycle.launcher.restart_requests.judge_restart_request`; this module only carries
-them out. The store poll (every 0.25 s) reads the stop key and the restart-request counter.
+them out. The store poll (every 0.25 s) runs the node watch where this launcher has one, and reads the stop
+key, the restart-request and fence-request counters and the fallback's ``ds_recycle/restart_all``.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from types import FrameType, TracebackType
 
 from torch.distributed import Store
 
+from ds_recycle.events import HostBackEvent, HostPartitionedEvent
 from ds_recycle.launcher import hostwatch
 from ds_recycle.launcher.fencing import poll_fence_requests
 from ds_recycle.launcher.hostwatch import Lease, NodeWatch
@@ -491,9 +493,9 @@ class Supervisor:
             restarted.append(rank)
         self.store.delete_key(hostwatch.node_lost_key(self.job.node_rank))
         if self._cut_off_s is not None:
-            hostwatch.record_host_event(self.store, "host_partitioned", self.job.layout, self.job.node_rank,
+            hostwatch.record_host_event(self.store, HostPartitionedEvent, self.job.layout, self.job.node_rank,
                               cut_off_s=round(self._cut_off_s, 3), fenced_at=lease.fenced_wall)
-        hostwatch.record_host_event(self.store, "host_back", self.job.layout, self.job.node_rank, restarted_ranks=restarted,
+        hostwatch.record_host_event(self.store, HostBackEvent, self.job.layout, self.job.node_rank, restarted_ranks=tuple(restarted),
                           after="partition" if self._cut_off_s is not None else "host restart")
         self._cut_off_s = None
         lease.resume()

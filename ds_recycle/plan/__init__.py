@@ -9,13 +9,13 @@ Command line: ``ds-recycle plan --stages 4 --pipelines 2 --microbatches 8 --fail
 """
 from __future__ import annotations
 
-from ds_recycle.plan.bounds import best_possible, lower_bound
+from ds_recycle.plan.bounds import lower_bound
 from ds_recycle.plan.cache import PlanCache, normalize_failures
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import DeadlockError, PlanError, PlanValidationError, StageLostError
 from ds_recycle.plan.ops import Op, OpKind
 from ds_recycle.plan.plan import Plan
-from ds_recycle.plan.schedules import best_failure_free, make_plan
+from ds_recycle.plan.schedules import best_failure_free, best_possible, make_plan
 from ds_recycle.plan.simulator import SimResult, simulate
 from ds_recycle.plan.validate import validate_document, validate_plan
 

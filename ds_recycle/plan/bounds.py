@@ -10,7 +10,7 @@ from ds_recycle.plan.ops import Worker
 
 __all__ = ["lower_bound", "routed_lower_bound", "round_trip_bound", "critical_path_bound", "stage_spans",
            "best_lower_bound",
-           "best_possible", "failures_per_stage", "check_shape"]
+           "failures_per_stage", "check_shape"]
 
 
 def check_shape(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int = 1) -> None:
@@ -141,18 +141,3 @@ def best_lower_bound(stages: int, pipelines: int, microbatches: int, costs: Cost
                round_trip_bound(stages, pipelines, microbatches, costs, failed, iterations),
                critical_path_bound(stages, pipelines, microbatches, costs, failed, iterations, optimizer=optimizer,
                                    memory_limit=memory_limit))
-
-
-def best_possible(stages: int, pipelines: int, microbatches: int, costs: CostModel,
-                  failed: Iterable[Worker] = (), iterations: int = 1, *, optimizer: str = "staggered",
-                  memory_limit: int | None = None) -> float:
-    """Larger of the lower bound and the makespan of the best failure-free plan of the same shape.
-
-    "Best failure-free plan" is the best the planner finds without failures (zero-bubble and adaptive
-    schedules, same optimizer and memory limit), so the figure is as good as the planner's own.
-    """
-    from ds_recycle.plan.schedules import best_failure_free_time
-    bound = lower_bound(stages, pipelines, microbatches, costs, failed, iterations)
-    free = best_failure_free_time(stages, pipelines, microbatches, costs, iterations=iterations,
-                             optimizer=optimizer, memory_limit=memory_limit)
-    return max(bound, free)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from ds_recycle.plan._gc import gc_paused
-from ds_recycle.plan.bounds import check_shape, failures_per_stage
+from ds_recycle.plan.bounds import check_shape, failures_per_stage, lower_bound
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import DeadlockError, PlanError
 from ds_recycle.plan.listsched import Policy, list_schedule
@@ -34,7 +34,7 @@ from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan
 from ds_recycle.plan.routing import Routing, route
 from ds_recycle.plan.search import Candidate, improve
 
-__all__ = ["make_plan", "best_failure_free", "best_failure_free_time", "failure_free", "failure_free_time",
+__all__ = ["make_plan", "best_failure_free", "best_failure_free_time", "best_possible", "failure_free", "failure_free_time",
            "ADAPTIVE_VARIANTS", "VARIANTS_BY_SIZE", "policies_for"]
 
 logger = logging.getLogger(__name__)
@@ -243,3 +243,17 @@ def _best_one(stages: int, pipelines: int, microbatches: int, costs: CostModel, 
     plans = [_one(stages, pipelines, microbatches, costs, iterations, name, optimizer, memory_limit)
              for name in ("zb-h1", "adaptive")]
     return min(plans, key=lambda p: p.makespan)
+
+
+def best_possible(stages: int, pipelines: int, microbatches: int, costs: CostModel,
+                  failed: Iterable[Worker] = (), iterations: int = 1, *, optimizer: str = "staggered",
+                  memory_limit: int | None = None) -> float:
+    """Larger of the lower bound and the makespan of the best failure-free plan of the same shape.
+
+    "Best failure-free plan" is the best the planner finds without failures (zero-bubble and adaptive
+    schedules, same optimizer and memory limit), so the figure is as good as the planner's own.
+    """
+    bound = lower_bound(stages, pipelines, microbatches, costs, failed, iterations)
+    free = best_failure_free_time(stages, pipelines, microbatches, costs, iterations=iterations,
+                             optimizer=optimizer, memory_limit=memory_limit)
+    return max(bound, free)

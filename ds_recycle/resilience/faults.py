@@ -4,6 +4,8 @@ A fault is written ``PIPELINE:STAGE@ITERATION:PHASE`` on the command line (``--k
 ``{"worker": [1, 0], "iteration": 5, "phase": "forward"}`` in the config. The engine calls
 :meth:`FaultInjector.reached` as it enters each phase; the matching worker then dies by ``SIGKILL``,
 exactly as a crashed process would (no clean-up, no goodbye to its peers).
+
+Pure: the specs and their parsing. :mod:`ds_recycle.resilience.injection` fires them in a running engine.
 """
 from __future__ import annotations
 
@@ -103,3 +105,4 @@ class FaultInjector:
                 for stream in (sys.stdout, sys.stderr):
                     stream.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
+

@@ -9,13 +9,13 @@ The protocol, over the launcher's store (keys under the generation's root, see
    if it dies at any step of its admission, or was restarted again meanwhile, the admission is an ordinary
    failure, the members go on without it and its next process may file again).
 2. The reporting rank reads the request counter as it broadcasts each iteration's loss, and the count rides
-   on that broadcast (:meth:`~ds_recycle.resilience.runner.ResilientRunner._broadcast_loss`), so every member
+   on that broadcast (:class:`~ds_recycle.resilience.transport.LossRider`), so every member
    sees the same count at the next boundary. When it grew, requests up to that count are admitted:
    the lowest member writes a :class:`JoinTicket` under ``join/ticket/<n>`` for each (the new epoch, its
    members, the boundary iteration), and everyone, joiners included, builds the new epoch's groups.
 3. In each stage that gains a worker, the lowest surviving replica broadcasts its state (parameters,
    optimizer state, learning-rate schedule, step counters: a
-   :class:`~ds_recycle.resilience.stage_state.StageState`) over the new stage group; the joiner loads it and
+   :class:`~ds_recycle.engine.stage_state.StageState`) over the new stage group; the joiner loads it and
    the planner's plan for the new (smaller) failure set runs from that iteration on.
 
 When training is over, the members set ``join/closed``: a joiner still waiting leaves without joining.
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_recycle.resilience.comm import PeerFailure
-from ds_recycle.resilience.stage_state import StageState
+from ds_recycle.engine.stage_state import StageState
+from ds_recycle.resilience.errors import JobClosed, PeerFailure
 from ds_recycle.resilience.store import StoreKeys
 from ds_recycle.resilience.transport import EpochComm
 
@@ -42,10 +42,6 @@ __all__ = ["JobClosed", "JoinTicket", "decide_requests", "file_request", "read_r
            "wait_for_ticket", "write_tickets"]
 
 logger = logging.getLogger(__name__)
-
-
-class JobClosed(RuntimeError):
-    """Training ended (or the job fell back to a checkpoint) before this worker could join."""
 
 
 @dataclass(frozen=True)
@@ -150,24 +146,23 @@ def _broadcast_bytes(comm: EpochComm, payload: bytes | None, src: int, what: str
 
 
 def transfer_stage_state(comm: EpochComm, src: int, rank: int, engine: Any, load: bool,
-                         extra: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
-    """Broadcast ``src``'s stage state over the epoch's stage group; every replica of the stage calls it.
+                         carry_progress: bool = False) -> int:
+    r"""Broadcast ``src``'s stage state over the epoch's stage group; every replica of the stage calls it.
 
-    ``src`` sends its engine's state (and ``extra``); a joiner (``load``) restores it into its engine; other
-    replicas, which hold the same state already, only take part. Returns (bytes moved, the sender's ``extra``).
+    ``src`` sends its engine's :meth:`~ds_recycle.engine.engine.RecyclePipelineEngine.stage_state`
+    (``carry_progress``: with the kept norm contributions and losses); a replica that ``load``\ s it takes it into
+    its engine; other replicas, which hold the same state already, only take part. Returns the bytes moved.
     """
     payload = None
     if rank == src:
         buf = io.BytesIO()
-        torch.save({"state": StageState.of(engine), "extra": extra or {}}, buf)
+        torch.save(engine.stage_state(carry_progress), buf)
         payload = buf.getvalue()
     data = _broadcast_bytes(comm, payload, src, f"state transfer from rank {src}")
-    if not load:
-        return data.numel(), {}
-    state = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
-    stage_state: StageState = state["state"]
-    stage_state.restore(engine)
-    return data.numel(), dict(state["extra"])
+    if load:
+        state: StageState = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+        engine.load_stage_state(state)
+    return data.numel()
 
 
 def stage_sources(previous: Sequence[int], joining: Sequence[int], stage_of: Callable[[int], int]) -> dict[int, int]:

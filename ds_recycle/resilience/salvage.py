@@ -1,6 +1,7 @@
 """The repair of the interrupted iteration: keep what the survivors finished, never roll a stage back.
 
-After a failure each member reports (through the store) where it stands (:class:`Report`): the last
+After a failure each member reports (through the store) where it stands (a
+:class:`~ds_recycle.engine.position.Position`): the last
 iteration whose optimizer step it took, what it has finished of the iteration in flight, and what its
 boundary log holds (:mod:`ds_recycle.engine.boundary_log`). Every member then computes the same decision
 from the same reports (:func:`decide`). Let ``k`` be the earliest iteration some member has not stepped:
@@ -29,50 +30,14 @@ back to its checkpoint.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
+from ds_recycle.engine.position import MicroBatch, Position
 from ds_recycle.engine.schedule import LogSource, PlanLike, Repair
 from ds_recycle.runtime.grid import WorkerMap
 
-__all__ = ["Decision", "Report", "decide"]
-
-MicroBatch = tuple[int, int]
-LogEntry = tuple[int, bool, bool, MicroBatch]
-"""``(iteration, is a gradient, this worker received it, micro-batch)``: one boundary-log entry."""
-
-
-@dataclass(frozen=True)
-class Report:
-    """One member's position after a failure."""
-
-    stage: int
-    stepped: int
-    """The last iteration whose optimizer step it took (-1: none)."""
-    in_flight: int
-    """The iteration its progress record belongs to (the one after ``stepped`` when it had started it)."""
-    served: tuple[MicroBatch, ...]
-    """Micro-batches its stage ran on it under the old plan, this iteration."""
-    w_done: tuple[MicroBatch, ...]
-    """Micro-batches of ``in_flight`` whose weight gradient it has accumulated."""
-    logs: tuple[LogEntry, ...] = ()
-    awaiting: bool = False
-    """It holds its stage's reduced (and tied-weight summed) gradients of ``in_flight`` and waited only for the
-    clipping norm to step."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Report:
-        raw: dict[str, Any] = json.loads(text)
-        return cls(raw["stage"], raw["stepped"], raw["in_flight"],
-                   tuple((int(d), int(i)) for d, i in raw["served"]),
-                   tuple((int(d), int(i)) for d, i in raw["w_done"]),
-                   tuple((int(k), bool(g), bool(r), (int(mb[0]), int(mb[1]))) for k, g, r, mb in raw["logs"]),
-                   bool(raw["awaiting"]))
+__all__ = ["Decision", "decide"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +67,7 @@ class Decision:
         return len(self.repair.sources)
 
 
-def decide(reports: Mapping[int, Report], new_plan: PlanLike, workers: WorkerMap, salvage: bool = True,
+def decide(reports: Mapping[int, Position], new_plan: PlanLike, workers: WorkerMap, salvage: bool = True,
            tied_stages: Sequence[frozenset[int]] = ()) -> Decision:
     """The members' common decision; ``reports`` and ``workers`` cover exactly the agreed members, ``new_plan``
     is the plan for their failure set. ``salvage=False`` (``recycle.salvage``) drops every partial sum of the
@@ -170,7 +135,7 @@ def decide(reports: Mapping[int, Report], new_plan: PlanLike, workers: WorkerMap
     return Decision(k, members, repair, roll_forward, frozenset(dropped), unrecoverable)
 
 
-def _holder(need: LogSource, k: int, reports: Mapping[int, Report], new_plan: PlanLike,
+def _holder(need: LogSource, k: int, reports: Mapping[int, Position], new_plan: PlanLike,
             workers: WorkerMap) -> int | None:
     """The live rank to take ``need`` from: the new receiver itself if it holds it, else the sender, else any
     other receiver (lowest rank first)."""

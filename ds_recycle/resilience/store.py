@@ -10,6 +10,7 @@ Key layout (all under ``ds_recycle/``; the launcher writes the first three, see
 ``ds_recycle/hb/<rank>``               heartbeat counter, incremented by the worker every period
 ``ds_recycle/epoch/<e>/alive/<rank>``  the worker reached agreement round ``e``
 ``ds_recycle/epoch/<e>/members``       the agreed live ranks of round ``e`` (first writer wins)
+``ds_recycle/epoch/<e>/report/<rank>`` where the worker stood when round ``e`` began (JSON ``Position``)
 ``ds_recycle/join/requests``           counter of join requests filed by restarted workers
 ``ds_recycle/join/request/<n>``        the rank that filed request ``n``
 ``ds_recycle/join/ticket/<n>``         the members' answer to request ``n`` (JSON, see ``rejoin``)
@@ -54,6 +55,9 @@ class StoreKeys:
 
     def members(self, epoch: int) -> str:
         return f"{self.root}/epoch/{epoch}/members"
+
+    def report(self, epoch: int, rank: int) -> str:
+        return f"{self.root}/epoch/{epoch}/report/{rank}"
 
     @property
     def join_requests(self) -> str:

@@ -1,118 +1,148 @@
-"""The engine's transfers and collectives on per-epoch groups, every wait bounded.
+"""The engine's transport under failure handling: the gloo groups of one membership epoch, every wait bounded.
 
-:class:`EpochComm` holds the gloo groups of one membership epoch (every member for activations and
-gradients, every member for the clipping norm, and this rank's stage replicas for the gradient
-all-reduce), built over the launcher's store with :class:`~ds_recycle.resilience.comm.EpochGroup`.
-:class:`BoundedChannel` and :class:`BoundedOptimizer` are the engine's
-:class:`~ds_recycle.engine.p2p.PeerChannel` and :class:`~ds_recycle.engine.optimizer.StaggeredOptimizer`
-with their communication moved onto those groups: the tag scheme and the arithmetic are unchanged, and
-each wait is :func:`~ds_recycle.resilience.comm.bounded_wait`, which turns a dead peer into a
-:class:`~ds_recycle.resilience.comm.PeerFailure` within milliseconds of the launcher's exit report.
+:class:`EpochComm` holds the groups of one epoch (every member for activations and gradients, every member
+for the clipping norm and the loss, this rank's stage replicas for the gradient reduction, and the live
+holders of each weight tied across stages), built over the launcher's store with
+:class:`~ds_recycle.resilience.comm.EpochGroup`. :class:`EpochTransport` is the engine's
+:class:`~ds_recycle.engine.transport.Transport` on those groups: the same operations in the same order as
+``torch.distributed``'s, and each wait is :func:`~ds_recycle.resilience.comm.bounded_wait`, which turns a dead
+peer into a :class:`~ds_recycle.resilience.errors.PeerFailure` within milliseconds of the launcher's exit report.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ds_recycle.engine.optimizer import StaggeredOptimizer
-from ds_recycle.engine.p2p import PeerChannel
-from ds_recycle.resilience.comm import EpochGroup, FailureProbe, bounded_wait
+from ds_recycle.resilience.comm import Detector, EpochGroup, bounded_wait
 
-__all__ = ["BoundedChannel", "BoundedOptimizer", "EpochComm"]
+__all__ = ["EpochComm", "EpochTransport", "LossRider"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class EpochComm:
-    """The groups of one membership epoch for one rank, and how long any single wait may last."""
+    """The groups of one membership epoch for one rank, and the detector that bounds every wait on them."""
 
     epoch: int
     members: list[int]
     p2p: EpochGroup
     norm: EpochGroup
     stage: EpochGroup
-    probe: FailureProbe
+    detector: Detector
     timeout_s: float
+    """The groups' own timeout: the longest any single wait may last."""
+    tied: Mapping[str, EpochGroup] = field(default_factory=dict)
 
     @classmethod
     def build(cls, store: dist.Store, epoch: int, members: list[int], stage_members: list[int], rank: int,
-              timeout_s: float, tag: str = "") -> EpochComm:
+              timeout_s: float, detector: Detector, tag: str = "",
+              tied_members: Mapping[str, list[int]] | None = None) -> EpochComm:
         """Build the groups collectively (every member calls it with the same ``epoch``, ``members``, ``tag``).
 
-        ``tag`` makes the store prefixes unique across rebuilds of the same epoch number (e.g. a rejoin).
+        ``tag`` makes the store prefixes unique across rebuilds of the same epoch number (e.g. a rejoin);
+        ``tied_members``: the live holders of each tied weight this rank holds, by group name.
         """
         prefix = f"e{epoch}{tag}"
         stage_name = f"{prefix}/stage-" + "-".join(str(r) for r in sorted(stage_members))
         p2p = EpochGroup(store, f"{prefix}/p2p", members, rank, timeout_s)
         norm = EpochGroup(store, f"{prefix}/norm", members, rank, timeout_s)
         stage = EpochGroup(store, stage_name, stage_members, rank, timeout_s)
-        return cls(epoch, sorted(members), p2p, norm, stage, FailureProbe(store).arm(members), timeout_s)
+        tied = {name: EpochGroup(store, f"{prefix}/{name}", holders, rank, timeout_s)
+                for name, holders in (tied_members or {}).items()}
+        return cls(epoch, sorted(members), p2p, norm, stage, detector, timeout_s, tied)
+
+    @property
+    def groups(self) -> list[EpochGroup]:
+        """Every group of the epoch (the detector breaks them all when it trips)."""
+        return [self.p2p, self.norm, self.stage, *self.tied.values()]
 
     def wait(self, work: Any, what: str) -> None:
-        bounded_wait(work, self.probe, self.timeout_s, f"epoch {self.epoch}: {what}")
+        bounded_wait(work, self.detector, f"epoch {self.epoch}: {what}")
 
 
-class BoundedChannel(PeerChannel):
-    """:class:`PeerChannel` on an epoch's p2p group; receives and send completions are bounded waits."""
+class LossRider:
+    """A number that rides on each loss broadcast from the reporter (the job's count of join requests), so that
+    every member knows the same value at the next iteration boundary without a collective of its own."""
 
-    def __init__(self, comm: EpochComm, pipelines: int, microbatches: int) -> None:
-        super().__init__(None, pipelines, microbatches)
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+        self.value: int | None = None
+        """The value the last loss broadcast of this epoch carried (None: none yet)."""
+
+    def outgoing(self) -> int:
+        """On the reporter: read it now and send it."""
+        self.value = self._read()
+        return self.value
+
+
+class EpochTransport:
+    """The engine's :class:`~ds_recycle.engine.transport.Transport` on an epoch's groups (see the module docstring)."""
+
+    def __init__(self, comm: EpochComm, rank: int, rider: LossRider | None = None) -> None:
         self.comm = comm
+        self.rank = rank
+        self.rider = rider
+        self._loss_work: Any = None
+        self._loss_message: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _post(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self._pending.append((self.comm.p2p.send(tensor, peer, tag), tensor))
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return self.comm.p2p.send(tensor, peer, tag)
 
-    def _recv(self, buffer: torch.Tensor, peer: int, tag: int) -> None:
-        self.comm.wait(self.comm.p2p.recv(buffer, peer, tag), f"receive tag {tag} from rank {peer}")
-
-    def _recv_parts(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
+    def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
         works = [self.comm.p2p.recv(b, peer, t) for b, t in zip(buffers, tags)]
         for work, tag in zip(works, tags):
             self.comm.wait(work, f"receive tag {tag} from rank {peer}")
 
-    def wait_sends(self) -> None:
-        pending, self._pending = self._pending, []
-        for work, _ in pending:
-            self.comm.wait(work, "send completion")
+    def stage_all_reduce(self, tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.stage.all_reduce_sum(tensor), "stage gradient all-reduce")
 
+    def stage_all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.stage.all_to_all(output, tensor), "stage gradient reduce-scatter")
 
-class BoundedOptimizer(StaggeredOptimizer):
-    """:class:`StaggeredOptimizer` whose all-reduce and norm exchange run on an epoch's groups, bounded."""
+    def stage_all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.stage.all_gather(outputs, tensor), "stage gradient all-gather")
 
-    comm: EpochComm
-    after_reduce: Callable[[], None] | None = None
-    """Called after the stage all-reduce, as the optimizer step starts (fault injection)."""
-
-    def attach(self, comm: EpochComm, after_reduce: Callable[[], None] | None = None) -> BoundedOptimizer:
-        self.comm = comm
-        self.after_reduce = after_reduce
-        return self
-
-    def _all_reduce_stage(self, tensor: torch.Tensor) -> None:
-        self.comm.wait(self.comm.stage.all_reduce_sum(tensor), f"stage {self.stage} gradient all-reduce")
-
-    def step(self, iteration: int, synchronous: bool) -> None:
-        if self.after_reduce is not None:
-            self.after_reduce()
-        super().step(iteration, synchronous)
-
-    def _all_to_all_stage(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        self.comm.wait(self.comm.stage.all_to_all(output, tensor), f"stage {self.stage} gradient reduce-scatter")
-
-    def _all_gather_stage(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        self.comm.wait(self.comm.stage.all_gather(outputs, tensor), f"stage {self.stage} gradient all-gather")
-
-    def _broadcast_norm(self, tensor: torch.Tensor, src: int) -> Any:
+    def post_broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return self.comm.norm.broadcast(tensor, src)
 
-    def _all_reduce_norm(self, tensor: torch.Tensor) -> Any:
+    def post_all_reduce(self, tensor: torch.Tensor) -> Any:
         return self.comm.norm.all_reduce_sum(tensor)
 
-    def _wait(self, work: Any) -> None:
-        self.comm.wait(work, "clipping norm exchange")
+    def wait(self, work: Any, what: str) -> None:
+        self.comm.wait(work, what)
+
+    def all_reduce_members(self, tensor: torch.Tensor, what: str) -> None:
+        self.comm.wait(self.comm.norm.all_reduce_sum(tensor), what)
+
+    def barrier(self, what: str) -> None:
+        self.all_reduce_members(torch.zeros(1), what)
+
+    def tied_all_reduce(self, name: str, tensor: torch.Tensor) -> None:
+        self.comm.wait(self.comm.tied[name].all_reduce_sum(tensor), "tied gradients")
+
+    def share_loss(self, value: torch.Tensor, src: int) -> None:
+        """The loss, with the rider's value beside it, in one broadcast of two float64s over every member."""
+        self.flush()
+        message = torch.zeros(2, dtype=torch.float64)
+        if self.rank == src:
+            message[0] = value.double()
+            message[1] = float(self.rider.outgoing()) if self.rider is not None else 0.0
+        work = self.comm.norm.broadcast(message, src)
+        if self.rank == src:
+            self._loss_work = work
+            return
+        self.comm.wait(work, "loss broadcast")
+        value.copy_(message[0].to(value.dtype))
+        if self.rider is not None:
+            self.rider.value = int(message[1])
+
+    def flush(self) -> None:
+        work, self._loss_work = self._loss_work, None
+        if work is not None:
+            self.comm.wait(work, "loss broadcast")

@@ -1,4 +1,8 @@
-"""The watchdog: declares a member failed while this worker's training thread is blocked in a wait.
+"""The watchdog: this worker's one failure detector. Nothing else on a worker reads exit records or heartbeats.
+
+It declares a member failed while the training thread is blocked in a wait, answers "is the epoch failed?"
+before each instruction and wait (:meth:`Watchdog.failed`), and "is this member dead?" during agreement
+(:meth:`Watchdog.dead`).
 
 A crashed worker is reported by its launcher (``ds_recycle/exit/<rank>`` and the ``exits`` counter); a
 *hung* one (SIGSTOP, a wedged device call, a driver stuck in the kernel) is not: its process is alive, its
@@ -9,8 +13,7 @@ store client:
 * the exit waiter blocks in ``queue_pop`` on this rank's ``ds_recycle/exit_queue/<rank>``, onto which the
   launchers push at every exit (:func:`~ds_recycle.runtime.job_store.publish_exit_count`), so it wakes the
   moment a worker's exit is reported; it then reads the exit counter and, when it moved, looks at the members'
-  exit keys, restart counts and published hung declarations (the test of
-  :class:`~ds_recycle.resilience.comm.FailureProbe`, plus the declarations).
+  exit keys, restart counts and published hung declarations.
   :meth:`Watchdog.stop` (also run at interpreter exit) pushes a stop item to wake and join it: a thread left
   blocked in the store while the interpreter shuts down would abort the process when woken;
 * the timer reads the heartbeat counter of one member every ``heartbeat_poll_s``: the next one in rank order
@@ -23,8 +26,11 @@ store client:
   takes effect. The timer also reads the exit and declaration counters (for an exit counted without its
   ``exited`` key, and for the members of a watch armed while the exit waiter was asleep).
 
-The training thread reads only the watchdog's flags (:meth:`Watchdog.tripped`, :meth:`Watchdog.current`):
-no store call per instruction or wait once the watch of the epoch has been checked.
+The training thread reads only the watchdog's flags (:meth:`Watchdog.failed`): no store call per instruction or
+wait once a thread has looked at the epoch's members (until then, one look on the training thread's own client).
+During agreement, :meth:`Watchdog.dead` judges each member of the previous epoch that has not announced itself:
+its exit key or a restart since the epoch began, a hung declaration, or its heartbeat silent for
+``stale_after_s`` (every such member's heartbeat is read then, not only the ring neighbour's).
 
 Tripping breaks the epoch's groups registered with :meth:`Watchdog.guard`, so a training thread blocked in
 gloo's own wait (see :func:`~ds_recycle.resilience.comm.bounded_wait`) raises at once and the wait becomes a
@@ -49,6 +55,7 @@ from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
+from ds_recycle.resilience.errors import PeerFailure
 from ds_recycle.resilience.store import StoreKeys, incarnation
 from ds_recycle.runtime import job_store as launcher_store
 
@@ -77,10 +84,14 @@ class Watchdog:
     """Watches the members of the current epoch from a daemon thread (see the module docstring)."""
 
     def __init__(self, store_factory: Callable[[], dist.Store], rank: int, stale_after_s: float,
-                 keys: StoreKeys = StoreKeys(), heartbeat_poll_s: float = 0.25) -> None:
+                 keys: StoreKeys = StoreKeys(), heartbeat_poll_s: float = 0.25,
+                 caller_store: dist.Store | None = None) -> None:
         self._store = store_factory()  # its own connection: the training thread's client is not thread-safe
         self._exit_store = store_factory()  # the exit waiter's, blocked in queue_pop most of the time
         self._exit_store.set_timeout(timedelta(seconds=EXIT_WAIT_S))
+        self._caller_store = caller_store if caller_store is not None else store_factory()
+        """The training thread's client: :meth:`failed` and :meth:`dead` run on that thread."""
+        self._judged: dict[int, tuple[int, float]] = {}  # rank -> (last counter, when it last moved), for dead()
         self.rank = rank
         self.stale_after_s = stale_after_s
         self.keys = keys
@@ -97,6 +108,7 @@ class Watchdog:
         """Why the current epoch's watch tripped (None: it has not)."""
         self.hung: set[int] = set()
         """Ranks declared hung (and fenced) since the watch was last armed."""
+        self._caller_exits = -1  # the exit counter as failed() last read it on the caller's client
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"watchdog-{rank}", daemon=True)
         self._exit_thread = threading.Thread(target=self._wait_exits, name=f"watchdog-exits-{rank}", daemon=True)
@@ -129,6 +141,7 @@ class Watchdog:
             self.declared = None
             self.hung = set()
             self._guarded = ()  # the past epoch's groups are retired
+            self._caller_exits = -1
 
     def tripped(self) -> bool:
         return self.declared is not None
@@ -136,6 +149,50 @@ class Watchdog:
     def current(self) -> bool:
         """The members of the latest :meth:`arm` have been looked at since: :meth:`tripped` tells all."""
         return self._checked == self._epoch
+
+    def reason(self) -> str:
+        return self.declared.reason if self.declared is not None else "a worker exited"
+
+    def failed(self) -> bool:
+        """A member of the current watch exited, was restarted or was declared hung (training thread only).
+
+        Its flag alone once a thread has looked at the watch's members; before that (right after :meth:`arm`),
+        the exit counter on the caller's client, and the members' keys when it moved.
+        """
+        if self.declared is not None:
+            return True
+        if self._checked == self._epoch:
+            return False
+        with self._lock:
+            epoch, members, incarnations = self._epoch, self._members, dict(self._incarnations)
+        store = self._caller_store
+        count = int(store.add(self.keys.exits, 0))
+        if count == self._caller_exits:
+            return False
+        self._caller_exits = count
+        found = self._exited(store, members, incarnations)
+        if found is not None:
+            self._trip(epoch, found)
+        return found is not None
+
+    def dead(self, rank: int) -> bool:
+        """During agreement (training thread): the member of the previous epoch ``rank`` is gone: declared hung
+        by this watchdog, reported exited by its launcher, restarted since the epoch began, or its heartbeat has
+        not moved for ``stale_after_s`` since this thread first read it."""
+        if rank in self.hung:
+            return True
+        store = self._caller_store
+        if store.check([self.keys.exit(rank)]):
+            return True
+        if rank in self._incarnations and incarnation(store, self.keys, rank) != self._incarnations[rank]:
+            return True
+        now = time.monotonic()
+        count = int(store.add(self.keys.heartbeat(rank), 0))
+        last = self._judged.get(rank)
+        if last is None or count != last[0]:
+            self._judged[rank] = (count, now)
+            return False
+        return now - last[1] > self.stale_after_s
 
     def guard(self, groups: Sequence[Guarded]) -> None:
         """A trip of the current watch breaks ``groups`` (at once if it has tripped already): a training thread
@@ -302,11 +359,9 @@ def run_guarded(build: Callable[[], T], watchdog: Watchdog, timeout_s: float, wh
     """``build()`` in a helper thread, abandoned when ``watchdog`` trips or ``timeout_s`` passes.
 
     For calls that block without a work to wait on, such as connecting a gloo group to members that may have
-    died before connecting: the caller gets :class:`~ds_recycle.resilience.comm.PeerFailure` at once, and the
+    died before connecting: the caller gets :class:`~ds_recycle.resilience.errors.PeerFailure` at once, and the
     abandoned thread ends when the call's own timeout expires (its error then goes to the debug log).
     """
-    from ds_recycle.resilience.comm import PeerFailure
-
     done = threading.Event()
     result: list[T] = []
     error: list[BaseException] = []

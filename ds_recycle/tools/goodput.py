@@ -13,13 +13,16 @@ checkpoint. Each record says the iteration ``iter`` finished at ``unix_time``.
 """
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Failure", "parse_failures", "Progress", "progress", "steady_rate", "checkpoint_cost", "events_of_kind", "latest_checkpoint",
+from ds_recycle.events import FallbackEvent, parse_event
+
+__all__ = ["Failure", "parse_failures", "Progress", "progress", "steady_rate", "checkpoint_cost", "latest_checkpoint",
            "fallback_times"]
 
 Record = Mapping[str, Any]
@@ -130,11 +133,6 @@ def checkpoint_cost(records: Sequence[Record], interval: int) -> float | None:
     return statistics.median(after) - statistics.median(other)
 
 
-def events_of_kind(lives: Sequence[Sequence[Record]], kind: str) -> list[dict[str, Any]]:
-    """Every event of ``kind`` in the records' ``events`` fields, in order."""
-    return [dict(e) for life in lives for r in life for e in r.get("events", ()) if e.get("kind") == kind]
-
-
 def latest_checkpoint(latest_text: str | None) -> int:
     """The iteration named by a checkpoint directory's ``latest`` file (``"iter15"``); 0 when there is none."""
     if latest_text is None or not latest_text.strip():
@@ -145,15 +143,16 @@ def latest_checkpoint(latest_text: str | None) -> int:
     return int(text[4:])
 
 
-_FALLBACK = re.compile(r"'kind': 'fallback', 'time_s': ([0-9.]+)")
+_EVENT_LINE = re.compile(r"\bevent (\{.*\})\s*$", re.MULTILINE)
 
 
 def fallback_times(log_text: str) -> list[float]:
-    """Unix times of the ``fallback`` events the workers logged (``event {...}`` lines of a ds_recycle job's
-    log): a whole stage was lost and the job went back to its checkpoint. The survivors leave right after, so
-    the event may never reach the metrics file."""
+    """Unix times of the ``fallback`` events the workers logged (``event {...}`` lines of a ds_recycle job's log,
+    each event's JSON form, read through :func:`ds_recycle.events.parse_event`): a whole stage was lost and the job
+    went back to its checkpoint. The survivors leave right after, so the event may never reach the metrics file."""
+    events = [parse_event(json.loads(m.group(1))) for m in _EVENT_LINE.finditer(log_text)]
     kept: list[float] = []
-    for t in sorted(float(m.group(1)) for m in _FALLBACK.finditer(log_text)):
+    for t in sorted(e.time_s for e in events if isinstance(e, FallbackEvent)):
         if not kept or t - kept[-1] > 1.0:  # each survivor logs the same fallback within a second
             kept.append(t)
     return kept

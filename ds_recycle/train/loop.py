@@ -20,9 +20,10 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ds_recycle.config import ConfigError, TrainConfig, load_config
+from ds_recycle.events import Event
 from ds_recycle.resilience.world import World, init_worker
 from ds_recycle.train.runner import Runner
 
@@ -147,7 +148,7 @@ class _HostEventFeed:
             logger.warning("host events are not reported: the launcher's store cannot be read (%s)", err)
             self._events = None
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self) -> list[Event]:
         if self._events is None:
             return []
         try:
@@ -177,7 +178,7 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
         else:
             logger.info("resolved config: %s", json.dumps(cfg.resolved()))
         return MetricsWriter(args.metrics, tokens, cfg.resolved(), args.wandb or os.environ.get("WANDB_MODE",
-                             "offline"), run_name=args.run_name, append=takeover or continued)
+                             "offline"), run_name=args.run_name, append=continued, takeover=takeover)
 
     metrics = open_metrics(False) if runner.is_reporter() else None
     hosts = _HostEventFeed(takeover=False) if metrics is not None else None
@@ -194,7 +195,7 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
             rec = metrics.record(it, result, dt, hosts.drain() if hosts is not None else ())
             first_loss = result.loss if first_loss is None else first_loss
             last_loss = result.loss
-            if it % args.log_interval == 0 or it == args.steps - 1:
+            if rec is not None and (it % args.log_interval == 0 or it == args.steps - 1):
                 logger.info("iter %d/%d loss %.4f %.0f ms %.0f tokens/s live %d rerouted %d", it + 1, args.steps,
                             result.loss or float("nan"), dt * 1e3, rec["tokens_per_s"] or 0.0,
                             result.live_workers, result.rerouted_microbatches)

@@ -10,7 +10,6 @@ absent from the start: the module is then built on a grid with those holes.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
@@ -20,6 +19,7 @@ from ds_recycle.config._strict import to_jsonable
 from ds_recycle.data import MicroBatchSource
 from ds_recycle.engine.engine import RecyclePipelineEngine
 from ds_recycle.model import build_pipeline_module
+from ds_recycle.resilience.handler import FailureHandler
 from ds_recycle.resilience.world import World
 from ds_recycle.runtime.grid import SurvivorGrid, WorkerMap, survivor_module_grid
 from ds_recycle.train.optim import build_optimizer
@@ -49,9 +49,10 @@ class EngineRunner:
         self.world = world
 
     @property
-    def handler(self) -> Any:
+    def handler(self) -> FailureHandler | None:
         """The engine's failure handler (``ds-recycle launch``), or None."""
-        return self.engine.resilience
+        driver = self.engine.driver
+        return driver if isinstance(driver, FailureHandler) else None
 
     @property
     def fallback_directory(self) -> str | None:
@@ -70,7 +71,7 @@ class EngineRunner:
     def train_iteration(self, iteration: int) -> IterationResult:
         """One ``engine.train_batch()`` (a worker that joined later returns NaN until its loop catches up)."""
         loss = self.engine.train_batch()
-        events = tuple(self.engine.recycle_events())
+        events = tuple(self.engine.recycle_events())  # typed (ds_recycle.events)
         value = float(loss)
         return IterationResult(loss=None if value != value else value, live_workers=self.engine.live_workers,
                                rerouted_microbatches=self.engine.rerouted_microbatches, events=events)

@@ -8,9 +8,11 @@ the metrics. :class:`ds_recycle.train.vanilla.VanillaRunner` drives DeepSpeed's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
+
+from ds_recycle.events import Event
 
 __all__ = ["IterationResult", "Runner"]
 
@@ -25,8 +27,8 @@ class IterationResult:
     """Workers alive during the iteration."""
     rerouted_microbatches: int
     """Micro-batches processed, at some stage, by a worker of another pipeline."""
-    events: tuple[dict[str, Any], ...] = field(default_factory=tuple)
-    """Failures, agreements, plan switches, rejoins... that happened in this iteration."""
+    events: tuple[Event, ...] = field(default_factory=tuple)
+    """Failures, agreements, plan switches, rejoins... that happened in this iteration (:mod:`ds_recycle.events`)."""
 
 
 class Runner(Protocol):

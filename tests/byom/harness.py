@@ -16,6 +16,7 @@ folder, so :meth:`Run.jit_builds` shows any op that was compiled anyway.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -28,9 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
+from ds_recycle.events import Event, parse_event
 from ds_recycle.tools.compare import compare_state_dicts
 from ds_recycle.tools.procs import descendants, scan_proc, worker_pids
 
@@ -70,6 +73,9 @@ RUN_TIMEOUT_S = 150.0
 
 _IMPORT = "import deepspeed"
 _CALL = re.compile(r"(?<![\w.])deepspeed\.initialize\(")
+_EVENT = re.compile(r"\bevent (\{.*\})\s*$", re.MULTILINE)
+"""A worker's ``event {...}`` log line (the failure handler logs each event's JSON form)."""
+E = TypeVar("E", bound=Event)
 _LOSS = re.compile(r"^(?:\[rank \d+\] )?step (\d+) loss ([-+0-9.einf]+)\s*$", re.MULTILINE)
 
 
@@ -138,6 +144,12 @@ class Run:
         for step, value in _LOSS.findall(self.log):
             by_step.setdefault(int(step), float(value))
         return [by_step[s] for s in sorted(by_step)]
+
+    def events(self, kind: type[E]) -> list[E]:
+        """The events of type ``kind`` the workers logged (their ``event {...}`` lines, one copy per survivor), read
+        through :mod:`ds_recycle.events`."""
+        found = [parse_event(json.loads(raw)) for raw in _EVENT.findall(self.log)]
+        return [e for e in found if isinstance(e, kind)]
 
     def jit_builds(self) -> list[str]:
         """Ops compiled into this job's ``TORCH_EXTENSIONS_DIR`` (empty when nothing was built)."""

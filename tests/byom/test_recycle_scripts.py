@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_recycle.events import FailureEvent, RejoinEvent
 from tests.byom.harness import (
     BYOM,
     RUN_TIMEOUT_S,
@@ -104,7 +105,7 @@ def test_dropout_model_with_a_failure_ends_as_without(variant: Path, tmp_path: P
         job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
         job.kill_rank(1)
         killed = job.result(2 * RUN_TIMEOUT_S).check()
-    assert "'failure'" in killed.log and len(killed.losses()) == STEPS
+    assert killed.events(FailureEvent) and len(killed.losses()) == STEPS
     assert killed.losses() == pytest.approx(free.losses(), rel=1e-5)
     assert_same_final(killed.final, free.final)
 
@@ -159,9 +160,9 @@ def test_bf16_with_a_sigkill_ends_as_without(variant: Path, tmp_path: Path, vict
         job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
         job.kill_rank(victim)
         killed = job.result(2 * RUN_TIMEOUT_S).check()
-    assert "'failure'" in killed.log and len(killed.losses()) == steps, killed.log[-3000:]
+    assert killed.events(FailureEvent) and len(killed.losses()) == steps, killed.log[-3000:]
     if launcher_args:
-        assert "'rejoin'" in killed.log, killed.log[-3000:]
+        assert killed.events(RejoinEvent), killed.log[-3000:]
     assert killed.losses() == pytest.approx(free.losses(), rel=1e-5)
     assert_same_final(killed.final, free.final)
 
@@ -199,7 +200,7 @@ def test_activation_checkpointing_matches_vanilla(vanilla_checkpointed: Path, va
             job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
             job.kill_rank(victim)
         run = job.result(2 * RUN_TIMEOUT_S).check()
-    assert len(run.losses()) == STEPS and (victim is None or "'failure'" in run.log), run.log[-3000:]
+    assert len(run.losses()) == STEPS and (victim is None or run.events(FailureEvent)), run.log[-3000:]
     assert_same_final(run.final, vanilla_checkpointed)
 
 
@@ -217,7 +218,7 @@ def test_recomputed_dropout_masks_are_the_forwards_with_a_failure(variant: Path,
         job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
         job.kill_rank(1)
         killed = job.result(2 * RUN_TIMEOUT_S).check()
-    assert "'failure'" in killed.log and len(killed.losses()) == STEPS, killed.log[-3000:]
+    assert killed.events(FailureEvent) and len(killed.losses()) == STEPS, killed.log[-3000:]
     assert killed.losses() == pytest.approx(plain.losses(), rel=1e-5)
     assert_same_final(killed.final, plain.final)
 
@@ -241,7 +242,7 @@ def test_eval_batch_with_an_absent_worker_matches_vanilla(variant: Path, tmp_pat
     assert sorted(vanilla) == [0, 1, 2, 3] and free == pytest.approx(vanilla, rel=1e-5)
     assert len(set(free.values())) == 1  # the mean over both pipelines' micro-batches, on every rank
     got = _eval_losses(killed.log)
-    assert "'failure'" in killed.log and sorted(got) == [0, 2, 3] and len(set(got.values())) == 1, killed.log[-3000:]
+    assert killed.events(FailureEvent) and sorted(got) == [0, 2, 3] and len(set(got.values())) == 1, killed.log[-3000:]
 
 
 @pytest.mark.timeout(900)

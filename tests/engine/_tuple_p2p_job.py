@@ -2,8 +2,8 @@
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/engine/_tuple_p2p_job.py peer|bounded
 
-``peer``: :class:`~ds_recycle.engine.p2p.PeerChannel` on the WORLD group; ``bounded``:
-:class:`~ds_recycle.resilience.transport.BoundedChannel` on an epoch's groups over a store hosted by rank 0.
+``peer``: :class:`~ds_recycle.engine.p2p.PeerChannel` over ``torch.distributed``'s WORLD group; ``bounded``: over
+:class:`~ds_recycle.resilience.transport.EpochTransport`, an epoch's groups over a store hosted by rank 0.
 Rank 0 plays the earlier stage: it sends activations of 4 micro-batches (2 pipelines x 2) and receives their
 gradients; rank 1 receives the activations in another order and sends gradients made from them, then
 one bare bf16 tensor the other way.
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ds_recycle.engine.p2p import Channel, PeerChannel
+from ds_recycle.engine.transport import DistTransport
 
 MICRO_BATCHES = [(0, 0), (0, 1), (1, 0), (1, 1)]
 
@@ -43,13 +44,25 @@ def grads_of(payload: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 def channel(mode: str, rank: int) -> PeerChannel:
     if mode == "peer":
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-        return PeerChannel(None, pipelines=2, microbatches=2)
-    from ds_recycle.resilience.transport import BoundedChannel, EpochComm
+        return PeerChannel(DistTransport(), pipelines=2, microbatches=2)
+    from ds_recycle.resilience.transport import EpochComm, EpochTransport
+
+    class Quiet:
+        """A failure detector that never finds a failure (none happens here)."""
+
+        def failed(self) -> bool:
+            return False
+
+        def tripped(self) -> bool:
+            return False
+
+        def reason(self) -> str:
+            return ""
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, rank == 0,
                           timeout=timedelta(seconds=60))
-    comm = EpochComm.build(store, 0, [0, 1], [0, 1], rank, timeout_s=60.0)
-    return BoundedChannel(comm, pipelines=2, microbatches=2)
+    comm = EpochComm.build(store, 0, [0, 1], [0, 1], rank, timeout_s=60.0, detector=Quiet())
+    return PeerChannel(EpochTransport(comm, rank), pipelines=2, microbatches=2)
 
 
 def sender(ch: PeerChannel) -> None:

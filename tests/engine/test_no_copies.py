@@ -31,7 +31,7 @@ def _stepper(max_norm: float) -> tuple[torch.nn.Module, _LocalNorm]:
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.01)
-    return module, _LocalNorm(module, optimizer, stage=1, pipelines=1, dp_group=None, dp_ranks=[0], norm_group=None,
+    return module, _LocalNorm(module, optimizer, stage=1, pipelines=1, transport=None, dp_ranks=[0],
                               max_norm=max_norm, norm_source=0, rank=0, served=frozenset({0}))
 
 

@@ -19,7 +19,7 @@ def _bf16_stage() -> tuple[nn.Module, MasterWeightOptimizer]:
 
 
 def _stepper(module: nn.Module, optimizer: MasterWeightOptimizer) -> StaggeredOptimizer:
-    return StaggeredOptimizer(module, optimizer, stage=0, pipelines=1, dp_group=None, dp_ranks=[0], norm_group=None,
+    return StaggeredOptimizer(module, optimizer, stage=0, pipelines=1, transport=None, dp_ranks=[0],
                               max_norm=0.0, served=frozenset({0}), rank=0)
 
 

@@ -94,8 +94,8 @@ def _reduced(assign: dict[tuple[int, int], int], seed: int, per_microbatch_rows:
     for r in ranks:
         torch.manual_seed(0)
         module = nn.Linear(6, 5)
-        stepper = _Replica(module, torch.optim.SGD(module.parameters(), lr=0.1), stage=0, pipelines=D, dp_group=None,
-                           dp_ranks=ranks, norm_group=None, max_norm=0.0,
+        stepper = _Replica(module, torch.optim.SGD(module.parameters(), lr=0.1), stage=0, pipelines=D, transport=None,
+                           dp_ranks=ranks, max_norm=0.0,
                            served=frozenset(d for (d, _), q in assign.items() if q == r),
                            stage_rerouted=bool(rerouted),
                            rerouted_pipelines=rerouted if per_microbatch_rows else frozenset(),

@@ -14,10 +14,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from ds_recycle.events import Event, events_of
 from tests.harness import REPO
 from tests.nethosts import NetHosts
+
+E = TypeVar("E", bound=Event)
 
 __all__ = ["HostJob", "PORT"]
 
@@ -80,8 +83,9 @@ class HostJob:
         lines = self.metrics_path.read_text().splitlines()
         return [json.loads(line) for line in lines if line.strip().endswith("}")]
 
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        return [e for rec in self.metrics() for e in rec["events"] if e["kind"] == kind]
+    def events(self, kind: type[E]) -> list[E]:
+        """The events of type ``kind`` in the metrics so far, read through :mod:`ds_recycle.events`."""
+        return events_of(self.metrics(), kind)
 
     def wait_iteration(self, iteration: int, timeout_s: float) -> dict[str, Any]:
         """The metrics record of ``iteration`` (0-based) once the reporter has written it."""
@@ -94,14 +98,14 @@ class HostJob:
             time.sleep(0.1)
         raise AssertionError(f"iteration {iteration} not reached within {timeout_s} s\n{self.logs()}")
 
-    def wait_event(self, kind: str, timeout_s: float, count: int = 1) -> list[dict[str, Any]]:
+    def wait_event(self, kind: type[E], timeout_s: float, count: int = 1) -> list[E]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             found = self.events(kind)
             if len(found) >= count:
                 return found
             time.sleep(0.1)
-        raise AssertionError(f"no {kind!r} event within {timeout_s} s\n{self.logs()}")
+        raise AssertionError(f"no {kind.KIND!r} event within {timeout_s} s\n{self.logs()}")
 
     def _check_alive(self) -> None:
         if self.procs and all(p.poll() is not None for p in self.procs.values()):

@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from ds_recycle.events import HostBackEvent, HostLostEvent, HostPartitionedEvent, RejoinEvent, ResumedEvent
 from tests.harness import assert_same_model
 from tests.hosts.cluster import PORT, HostJob
 from tests.hosts.conftest import LONG_STEPS, SHORT_STEPS
@@ -52,7 +53,7 @@ def _wait_until(what: str, check: Callable[[], bool], timeout_s: float) -> float
 
 
 def _rejoined_ranks(job: HostJob) -> set[int]:
-    return {r for e in job.events("rejoin") for r in e["ranks"]}
+    return {r for e in job.events(RejoinEvent) for r in e.ranks}
 
 
 @pytest.mark.timeout(420)
@@ -69,15 +70,15 @@ def test_partition_fences_the_cut_host_the_rest_go_on_and_it_rejoins(
     fenced_after = _wait_until("host 2's workers fenced", lambda: not _workers(hosts, 2), FENCE_BOUND_S)
     at = job.metrics()[-1]["iter"]
     job.wait_iteration(at + 5, 60)  # the others go on while host 2 is cut off
-    lost = job.wait_event("host_lost", 30)[0]
-    assert lost["node"] == 2 and sorted(lost["ranks"]) == [4, 5]
+    lost = job.wait_event(HostLostEvent, 30)[0]
+    assert lost.node == 2 and sorted(lost.ranks) == [4, 5]
     assert len(_workers(hosts, 2)) == 0  # still nothing trains there
     hosts.heal(2)
-    job.wait_event("host_back", 60)
+    job.wait_event(HostBackEvent, 60)
     codes = job.finish(300)
     assert codes == {"node0": 0}, job.logs()
-    partitioned = job.events("host_partitioned")
-    assert len(partitioned) == 1 and partitioned[0]["node"] == 2, job.events("host_partitioned")
+    partitioned = job.events(HostPartitionedEvent)
+    assert len(partitioned) == 1 and partitioned[0].node == 2, partitioned
     assert {4, 5} <= _rejoined_ranks(job), job.logs()
     assert job.metrics()[-1]["live_workers"] == 6
     print(f"fenced {fenced_after:.1f} s after the cut")
@@ -104,8 +105,8 @@ def test_store_service_outlives_node0s_host_which_rejoins(
     assert codes == {"store": 0, "node0": 0, "node1": 0, "node2": 0}, job.logs()
     without = [r["iter"] for r in job.metrics() if r["live_workers"] == 4]
     assert len(without) >= 5, without  # it went on without node 0 (stage 0 kept pipeline 2's worker)
-    assert [e["node"] for e in job.events("host_lost")] == [0]
-    assert [e["after"] for e in job.events("host_back")] == ["host restart"]
+    assert [e.node for e in job.events(HostLostEvent)] == [0]
+    assert [e.after for e in job.events(HostBackEvent)] == ["host restart"]
     assert_same_model(job.final_path, reference, atol=1e-5)
 
 
@@ -125,7 +126,7 @@ def test_host_loss_of_a_whole_stage_falls_back_to_the_checkpoint(
     hosts.kill_host(1)
     # the survivors record the fallback and leave as lost (exit 75); the reporter was on host 1, so the event
     # is in node 0's log, not in the metrics file
-    _wait_until("node 0's ranks fell back", lambda: "'kind': 'fallback'" in job.text("node0")
+    _wait_until("node 0's ranks fell back", lambda: '"kind": "fallback"' in job.text("node0")
                 and job.text("node0").count("lost: exit code 75") >= 2, 60)
     hosts.revive(1)
     restart = hosts.run(0, [sys.executable, "-m", "ds_recycle", "restart", "--master_addr", hosts.addrs[0],
@@ -134,7 +135,7 @@ def test_host_loss_of_a_whole_stage_falls_back_to_the_checkpoint(
     assert restart.returncode == 0 and "node 1's launcher started again over ssh" in out, out
     codes = job.finish(300)
     assert codes == {"node0": 0}, job.logs()
-    assert job.events("resumed"), job.logs()
+    assert job.events(ResumedEvent), job.logs()
     assert job.metrics()[-1]["iter"] == SHORT_STEPS - 1
     assert_same_model(job.final_path, reference)
 

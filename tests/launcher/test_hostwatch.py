@@ -8,6 +8,7 @@ import time
 import pytest
 from torch.distributed import HashStore
 
+from ds_recycle.events import HostLostEvent, parse_event
 from ds_recycle.launcher.hosts import Layout, NodeSlots
 from ds_recycle.launcher.hostwatch import HostEvents, Lease, NodeWatch, node_hb_key, node_lost_key
 from ds_recycle.launcher.job import JobSpec, Program
@@ -38,8 +39,7 @@ def test_a_silent_node_is_declared_lost_once_and_its_unfinished_ranks_get_exit_7
     assert watch.poll(store, now=30.0) == [2]  # node 2 went silent after 10.1
     assert watch.poll(store, now=60.0) == []  # each declared once
     events = HostEvents(store).drain()
-    assert [(e["kind"], e["node"], e["marked_lost"]) for e in events] == [("host_lost", 1, [2]),
-                                                                         ("host_lost", 2, [4, 5])]
+    assert [(type(e), e.node, e.marked_lost) for e in events] == [(HostLostEvent, 1, (2,)), (HostLostEvent, 2, (4, 5))]
 
 
 def test_a_node_that_never_beat_is_not_declared_and_a_returning_node_is_watched_afresh() -> None:
@@ -64,8 +64,8 @@ def test_host_events_are_drained_once_each() -> None:
     watch.poll(store, now=0.0)
     watch.poll(store, now=2.0)
     first = feed.drain()
-    assert [e["kind"] for e in first] == ["host_lost"] and feed.drain() == []
-    assert json.loads(json.dumps(first[0]))["host"] == "h2"
+    assert [e.kind for e in first] == ["host_lost"] and feed.drain() == []
+    assert parse_event(json.loads(json.dumps(first[0].to_dict()))) == first[0] and first[0].host == "h2"
 
 
 class _SilentStore:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from ds_recycle.events import Event, EventError, FailureEvent, FallbackEvent, RejoinEvent, events_of
 from ds_recycle.tools.goodput import (
     Failure,
     checkpoint_cost,
-    events_of_kind,
     latest_checkpoint,
     parse_failures,
     progress,
@@ -115,10 +115,18 @@ def test_checkpoint_cost_is_the_extra_gap_after_checkpoint_iterations() -> None:
     assert checkpoint_cost(records, 0) is None and checkpoint_cost(records[:3], 5) is None
 
 
+def _rejoin(t: float) -> dict:
+    return RejoinEvent(time_s=t, ranks=(2,), workers=((1, 0),), iteration=4, members=(0, 1, 2, 3), join_s=0.5,
+                       state_bytes=10).to_dict()
+
+
 def test_events_and_latest_checkpoint() -> None:
-    lives = [[_rec(0, 0, events=[{"kind": "failure"}]), _rec(1, 1, events=[{"kind": "rejoin", "time_s": 5}])],
-             [_rec(0, 9, events=[{"kind": "rejoin", "time_s": 9}])]]
-    assert [e["time_s"] for e in events_of_kind(lives, "rejoin")] == [5, 9]
+    failure = FailureEvent(time_s=1, lost_ranks=(2,), lost_workers=((1, 0),), reason="rank 2 exited", epoch=1)
+    lives = [[_rec(0, 0, events=[failure.to_dict()]), _rec(1, 1, events=[_rejoin(5)])], [_rec(0, 9, events=[_rejoin(9)])]]
+    assert [e.time_s for e in events_of(lives, RejoinEvent)] == [5, 9]
+    assert [e.lost_ranks for e in events_of(lives, FailureEvent)] == [(2,)]
+    with pytest.raises(EventError, match="redo_iteration"):  # a record that no longer fits its definition
+        events_of([_rec(0, 0, events=[{**_rejoin(1), "redo_iteration": 3}])], RejoinEvent)
     assert latest_checkpoint("iter15\n") == 15 and latest_checkpoint(None) == 0
     with pytest.raises(ValueError, match="iter<N>"):
         latest_checkpoint("global_step7")
@@ -149,11 +157,12 @@ def test_caught_signals_reads_the_sigcgt_mask() -> None:
 def test_fallback_times_reads_the_workers_event_lines_once_per_event() -> None:
     from ds_recycle.tools.goodput import fallback_times
 
-    log = ("[rank 1] [rank 1] 20:08:22 WARNING ds_recycle.resilience.runner: event {'kind': 'fallback', "
-           "'time_s': 1796069302.99, 'reason': 'stage 0 lost', 'generation': 1}\n"
-           "[rank 3] [rank 3] 20:08:22 WARNING ds_recycle.resilience.runner: event {'kind': 'fallback', "
-           "'time_s': 1796069303.01, 'reason': 'stage 0 lost', 'generation': 1}\n"
-           "[rank 3] event {'kind': 'failure', 'time_s': 1796069300.0}\n")
+    def line(rank: int, event: Event) -> str:
+        return f"[rank {rank}] 20:08:22 WARNING ds_recycle.resilience.handler: event {json.dumps(event.to_dict())}\n"
+
+    log = (line(1, FallbackEvent(time_s=1796069302.99, reason="stage 0 lost", generation=1, directory="c"))
+           + line(3, FallbackEvent(time_s=1796069303.01, reason="stage 0 lost", generation=1, directory="c"))
+           + line(3, FailureEvent(time_s=1796069300.0, lost_ranks=(0,), lost_workers=((0, 0),), reason="x", epoch=1)))
     assert fallback_times(log) == [1796069302.99]
     assert fallback_times("") == []
 

@@ -13,28 +13,32 @@ from datetime import timedelta
 
 import torch
 
-from ds_recycle.resilience import Heartbeat, Liveness, agree_members, connect_store
-from ds_recycle.resilience.comm import EpochGroup, FailureProbe, PeerFailure, bounded_wait
+from ds_recycle.resilience import Heartbeat, PeerFailure, StoreKeys, agree_members, connect_store
+from ds_recycle.resilience.comm import EpochGroup, bounded_wait
+from ds_recycle.resilience.watchdog import Watchdog, watch_members
 
 rank, world, iters = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 store = connect_store(10)
 Heartbeat(lambda: connect_store(10), rank, period_s=0.1).start()
+watchdog = Watchdog(lambda: connect_store(10), rank, 1.0, caller_store=store).start()
 members = list(range(world))
+watch_members(watchdog, store, StoreKeys(), members)
 group = EpochGroup(store, "e0", members, rank, timeout_s=30)
-probe = FailureProbe(store).arm(members)
+watchdog.guard([group])
 epoch, done = 0, 0
 retired: list[EpochGroup] = []
 while done < iters:
     t = torch.ones(1)
     try:
-        bounded_wait(group.all_reduce_sum(t), probe, 30, "all-reduce")
+        bounded_wait(group.all_reduce_sum(t), watchdog, "all-reduce")
     except PeerFailure as e:
         t0 = time.monotonic()
         epoch += 1
-        members = agree_members(store, epoch, rank, members, Liveness(store, 1.0), timeout_s=20)
+        members = agree_members(store, epoch, rank, members, watchdog.dead, timeout_s=20)
         retired.append(group)  # never destroyed under the feet of members still inside it
+        watch_members(watchdog, store, StoreKeys(), members)
         group = EpochGroup(store, f"e{epoch}", members, rank, timeout_s=30)
-        probe.arm(members)
+        watchdog.guard([group])
         store.set(f"test/e{epoch}/done/{rank}", str(done))
         keys = [f"test/e{epoch}/done/{r}" for r in members]
         store.wait(keys, timedelta(seconds=20))

@@ -8,7 +8,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ds_recycle.resilience import Heartbeat, Liveness, MembershipError, StoreKeys, agree_members
+from ds_recycle.resilience import Heartbeat, MembershipError, StoreKeys, agree_members
+from ds_recycle.resilience.watchdog import Watchdog
 
 KEYS = StoreKeys()
 
@@ -29,7 +30,8 @@ def run_ranks(server: dist.TCPStore, ranks: list[int], previous: list[int], epoc
     def body(rank: int) -> None:
         store = client(server)()
         try:
-            results[rank] = agree_members(store, epoch, rank, previous, Liveness(store, stale_after_s), timeout_s=5)
+            judge = Watchdog(client(server), rank, stale_after_s, caller_store=store)  # its training-thread calls only
+            results[rank] = agree_members(store, epoch, rank, previous, judge.dead, timeout_s=5)
         except MembershipError as e:
             results[rank] = e
 
@@ -79,7 +81,7 @@ def test_agreement_times_out_instead_of_hanging(server: dist.TCPStore) -> None:
     try:
         store = client(server)()
         with pytest.raises(MembershipError, match="neither announced"):
-            agree_members(store, 1, 0, [0, 1], Liveness(store, 5.0), timeout_s=0.5)
+            agree_members(store, 1, 0, [0, 1], Watchdog(client(server), 0, 5.0, caller_store=store).dead, timeout_s=0.5)
     finally:
         hb.stop()
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from ds_recycle.resilience.comm import FailureProbe  # noqa: E402
 from ds_recycle.resilience.rejoin import JoinTicket, decide_requests, file_request, write_tickets  # noqa: E402
 from ds_recycle.resilience.store import StoreKeys  # noqa: E402
+from ds_recycle.resilience.watchdog import Watchdog  # noqa: E402
 from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -45,14 +45,17 @@ def test_requests_decided_alike_latest_request_of_a_rank_wins() -> None:
     assert decide_requests(store, keys, upto=5, after=5, members=[0], job_ranks=[0, 1]) == {}
 
 
-def test_failure_probe_sees_a_member_restarted_after_its_exit_key_was_deleted() -> None:
+def test_watchdog_sees_a_member_restarted_after_its_exit_key_was_deleted() -> None:
+    """Right after a watch is armed (before its threads looked), the training thread's own look finds the death."""
     store, keys = dist.HashStore(), StoreKeys()
-    probe = FailureProbe(store).arm([0, 1])
-    assert not probe.failed()
+    dog = Watchdog(lambda: store, 0, 5.0, keys=keys, caller_store=store)  # threads not started
+    dog.arm([0, 1], {0: 0, 1: 0})
+    assert not dog.failed()
     store.add(keys.exits, 1)  # rank 1 died ...
     store.set(keys.restarted(1), "1")  # ... and the launcher restarted it (its exit key is gone again)
-    assert probe.failed()
-    assert not FailureProbe(store).arm([0, 1]).failed()  # a new epoch counts the restarted process as a member
+    assert dog.failed() and dog.declared is not None and dog.declared.rank == 1
+    dog.arm([0, 1], {0: 0, 1: 1})
+    assert not dog.failed()  # a new epoch counts the restarted process as a member
 
 
 # ------------------------------------------------------------------------------------------------ jobs

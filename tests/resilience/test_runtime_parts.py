@@ -11,9 +11,9 @@ import torch
 from ds_recycle.config import ConfigError, load_config
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.p2p import Channel
+from ds_recycle.engine.stage_state import StageState
 from ds_recycle.resilience.faults import Phase
-from ds_recycle.resilience.runner import faults_of
-from ds_recycle.resilience.stage_state import StageState
+from ds_recycle.resilience.injection import faults_of
 from ds_recycle.train.loop import _load, parse_args
 
 REPO = Path(__file__).resolve().parents[2]

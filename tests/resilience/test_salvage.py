@@ -7,9 +7,10 @@ from collections import Counter
 import pytest
 
 from ds_recycle.engine import instructions as ins
+from ds_recycle.engine.position import Position
 from ds_recycle.engine.schedule import PlanSchedule, Repair, WorkKind, repair_items, worker_items
 from ds_recycle.plan import CostModel, make_plan
-from ds_recycle.resilience.salvage import Report, decide
+from ds_recycle.resilience.salvage import decide
 from ds_recycle.runtime.grid import WorkerMap
 
 ALL = [(d, i) for d in range(2) for i in range(4)]
@@ -89,8 +90,8 @@ def test_repair_schedules_match_every_send_with_a_receive(schedule: str, seed: i
 
 
 def _report(stage: int, served: list, w_done: list, stepped: int = 4, in_flight: int = 5,
-            logs: tuple = (), awaiting: bool = False) -> Report:
-    return Report(stage, stepped, in_flight, tuple(served), tuple(w_done), logs, awaiting)
+            logs: tuple = (), awaiting: bool = False) -> Position:
+    return Position(stage, stepped, in_flight, tuple(served), tuple(w_done), logs, awaiting)
 
 
 def test_decision_keeps_finished_work_when_every_member_is_mid_iteration() -> None:
@@ -103,7 +104,7 @@ def test_decision_keeps_finished_work_when_every_member_is_mid_iteration() -> No
     assert decision.iteration == 5 and not decision.unrecoverable and not decision.committed
     assert decision.repair.w_done == {0: {(0, 0)}, 1: {(0, 0), (0, 1), (1, 0)}}
     assert decision.kept_weight_gradients == 4 and not decision.roll_forward and not decision.dropped
-    assert Report.from_json(reports[2].to_json()) == reports[2]
+    assert Position.from_json(reports[2].to_json()) == reports[2]
 
 
 def test_decision_drops_a_stage_whose_work_moves_and_a_member_at_the_boundary_keeps_nothing() -> None:

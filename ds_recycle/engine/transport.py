@@ -1,0 +1,154 @@
+"""The engine's one communication seam: every transfer and collective the engine makes goes through a
+:class:`Transport`.
+
+The engine, its :class:`~ds_recycle.engine.p2p.PeerChannel` and its
+:class:`~ds_recycle.engine.optimizer.StaggeredOptimizer` address peers by global rank and name the group
+by its role (the stage's live replicas, every member, the holders of a tied weight); the transport decides
+how. :class:`DistTransport` is ``torch.distributed`` on the groups of a
+:class:`~ds_recycle.runtime.grid.SurvivorGrid` (no failure handling: under ``torchrun`` and ``deepspeed``);
+the failure handler installs its own per membership epoch, whose waits a dead peer cannot hang
+(:class:`ds_recycle.resilience.transport.EpochTransport`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistTransport", "Transport"]
+
+
+class Transport(Protocol):
+    """How the engine communicates (see the module docstring). Blocking calls return when done; ``post_*``
+    calls return a work for :meth:`wait`."""
+
+    # point to point, by global rank
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """Post a send; the work completes once ``peer`` received it."""
+        ...
+
+    def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
+        """Receive one message per buffer from ``peer`` (all posted first, then waited for)."""
+        ...
+
+    # the stage's live replicas
+    def stage_all_reduce(self, tensor: torch.Tensor) -> None:
+        """SUM ``tensor`` in place over the stage's live replicas."""
+        ...
+
+    def stage_all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Replica ``j`` (in rank order) receives the ``j``-th equal slice of every replica's ``tensor``."""
+        ...
+
+    def stage_all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every replica's ``tensor`` into ``outputs``, in rank order."""
+        ...
+
+    # every member of the job
+    def post_broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        """Post a broadcast from global rank ``src`` over every member."""
+        ...
+
+    def post_all_reduce(self, tensor: torch.Tensor) -> Any:
+        """Post a SUM all-reduce over every member."""
+        ...
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a posted operation (``what`` names it in errors)."""
+        ...
+
+    def all_reduce_members(self, tensor: torch.Tensor, what: str) -> None:
+        """SUM ``tensor`` in place over every member (blocking)."""
+        ...
+
+    def barrier(self, what: str) -> None:
+        """Return once every member called it."""
+        ...
+
+    def tied_all_reduce(self, name: str, tensor: torch.Tensor) -> None:
+        """SUM ``tensor`` in place over the live holders of tied weight ``name``."""
+        ...
+
+    def share_loss(self, value: torch.Tensor, src: int) -> None:
+        """The iteration's loss from ``src`` to every member, in place: ``src`` posts it and goes on (its send
+        completes by :meth:`flush`), the others wait for it."""
+        ...
+
+    def flush(self) -> None:
+        """Complete what this rank posted and did not wait for (the last loss broadcast)."""
+        ...
+
+
+class DistTransport:
+    """:class:`Transport` over ``torch.distributed`` on a grid's groups (see the module docstring)."""
+
+    def __init__(self, p2p_group: Any = None, stage_group: Any = None, norm_group: Any = None, world_group: Any = None,
+                 tied_group: Callable[[str], Any] | None = None) -> None:
+        """Each group as ``torch.distributed`` takes it (None: the default group)."""
+        self.p2p_group = p2p_group
+        self.stage_group = stage_group
+        self.norm_group = norm_group
+        self.world_group = world_group
+        self._tied_group = tied_group
+        self._loss_work: Any = None
+
+    @classmethod
+    def of_grid(cls, grid: Any, tied_group: Callable[[str], Any] | None = None) -> DistTransport:
+        """On a :class:`~ds_recycle.runtime.grid.SurvivorGrid`'s groups; ``tied_group(name)``: a tied weight's."""
+        return cls(grid.p2p_group, grid.get_data_parallel_group(), grid.norm_group, grid.world_proc_group, tied_group)
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.isend(tensor, dst=peer, group=self.p2p_group, tag=tag)
+
+    def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
+        if len(buffers) == 1:
+            dist.recv(buffers[0], src=peer, group=self.p2p_group, tag=tags[0])
+            return
+        works = [dist.irecv(b, src=peer, group=self.p2p_group, tag=t) for b, t in zip(buffers, tags)]
+        for work in works:
+            if work is not None:  # None only on a rank outside the group, which cannot be a peer
+                work.wait()
+
+    def stage_all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.stage_group)
+
+    def stage_all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        dist.all_to_all_single(output, tensor, group=self.stage_group)
+
+    def stage_all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        dist.all_gather(outputs, tensor, group=self.stage_group)
+
+    def post_broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        return dist.broadcast(tensor, src=src, group=self.norm_group, async_op=True)
+
+    def post_all_reduce(self, tensor: torch.Tensor) -> Any:
+        return dist.all_reduce(tensor, group=self.norm_group, async_op=True)
+
+    def wait(self, work: Any, what: str) -> None:
+        work.wait()
+
+    def tied_all_reduce(self, name: str, tensor: torch.Tensor) -> None:
+        if self._tied_group is None:
+            raise RuntimeError(f"no group for the tied weight {name}")
+        dist.all_reduce(tensor, group=self._tied_group(name))
+
+    def share_loss(self, value: torch.Tensor, src: int) -> None:
+        self.flush()
+        work = dist.broadcast(value, src, group=self.world_group, async_op=True)
+        if dist.get_rank() == src:
+            self._loss_work = work
+        else:
+            work.wait()
+
+    def flush(self) -> None:
+        work, self._loss_work = self._loss_work, None
+        if work is not None:
+            work.wait()
+
+    def all_reduce_members(self, tensor: torch.Tensor, what: str) -> None:
+        dist.all_reduce(tensor, group=self.world_group)
+
+    def barrier(self, what: str) -> None:
+        dist.barrier(group=self.world_group)

@@ -1,0 +1,198 @@
+"""The phases of a recovery, as functions over frozen values, and the state the handler is in.
+
+One failure, from detection to the first full iteration after it::
+
+    DETECTED    detect(failure)                 -> Detection    the epoch is over (every member learns it)
+    AGREEING    agree(detection, position)      -> Agreement    who lives, where each stood, when the kill came
+    REGROUPING  regroup(number, members)        -> Epoch        the new epoch's groups, grid and transport
+    DECIDING    plan lookup, salvage.decide     -> Decision     what is left of the interrupted iteration
+    INSTALLING  install(epoch, plan), resume(...)               the engine runs the new plan from the repair
+    RESUMING    the repaired iteration runs; its end is the ``recovered`` event
+
+The handler (:mod:`ds_recycle.resilience.handler`) calls them in that order and holds the one mutable record
+of where the job stands (its :class:`HandlerState`, the current :class:`Epoch`). Each function takes what it
+needs as arguments (the store, the detector, the engine's hook surface) and returns a frozen value, so each
+can be read, and its decision tested, on its own.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ds_recycle.engine.driver import EpochSetup
+from ds_recycle.engine.position import Position
+from ds_recycle.engine.tied import TiedWeight, tied_members
+from ds_recycle.resilience.comm import Detector
+from ds_recycle.resilience.errors import PeerFailure
+from ds_recycle.resilience.injection import kill_time
+from ds_recycle.resilience.membership import agree_members
+from ds_recycle.resilience.regroup import EpochGrid
+from ds_recycle.resilience.store import StoreKeys, connect_store
+from ds_recycle.resilience.transport import EpochComm, EpochTransport, LossRider
+from ds_recycle.resilience.watchdog import Watchdog, run_guarded, watch_members
+from ds_recycle.runtime.grid import WorkerMap
+
+__all__ = ["Agreement", "Detection", "Epoch", "HandlerState", "Job", "agree", "detect", "install", "regroup"]
+
+logger = logging.getLogger(__name__)
+
+
+class HandlerState(enum.Enum):
+    """Where the failure handler is (one at a time; :attr:`FailureHandler.state`)."""
+
+    STARTING = "starting"
+    """Building the first epoch's groups."""
+    JOINING = "joining"
+    """A restarted worker asking the members in, then taking its stage's state."""
+    TRAINING = "training"
+    """Running iterations: the steady state."""
+    ADMITTING = "admitting"
+    """At an iteration boundary, letting restarted workers in."""
+    DETECTED = "detected"
+    """A failure was seen: the epoch is over."""
+    AGREEING = "agreeing"
+    """Agreeing with the survivors on the members and reporting where this worker stood."""
+    REGROUPING = "regrouping"
+    """Building the new epoch's groups among the members."""
+    DECIDING = "deciding"
+    """Taking the plan for the new failure set and deciding the repair of the interrupted iteration."""
+    INSTALLING = "installing"
+    """Installing the epoch, the plan and the repair in the engine (and rolling a replica forward)."""
+    RESUMING = "resuming"
+    """Running the repaired iteration; its end is the first full iteration after the failure."""
+    FALLING_BACK = "falling_back"
+    """A stage is lost: handing over to the checkpoint, then leaving."""
+    CLOSED = "closed"
+    """Training is over."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every phase needs to know of the job and of this worker (fixed for the life of the process)."""
+
+    store: dist.Store
+    keys: StoreKeys
+    rank: int
+    generation: int
+    """How many times the job fell back to a checkpoint; names this incarnation's groups."""
+    timeout_s: float
+    watchdog: Watchdog
+    workers: WorkerMap
+    """Every worker of the job and its rank, live or not (a restarted rank runs the same worker)."""
+    stage: int
+    tied: tuple[TiedWeight, ...]
+
+    def workers_of(self, members: Sequence[int]) -> WorkerMap:
+        """The job's workers restricted to ``members``."""
+        return WorkerMap(self.workers.stages, self.workers.pipelines,
+                         {w: r for w, r in self.workers.ranks.items() if r in members})
+
+
+@dataclass(frozen=True)
+class Detection:
+    """The end of an epoch, as this worker saw it."""
+
+    epoch: int
+    """The epoch that ended."""
+    members: tuple[int, ...]
+    """Its members."""
+    detected_at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The survivors' common view after a failure."""
+
+    epoch: int
+    """The new epoch."""
+    members: tuple[int, ...]
+    lost: tuple[int, ...]
+    positions: Mapping[int, Position]
+    """Where each member stood (:mod:`ds_recycle.resilience.salvage` decides from them)."""
+    killed_at: float | None
+    """When the earliest injected kill among the lost came (None: not injected)."""
+    agreed_at: float
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership epoch of this worker: its members, groups, grid and transport."""
+
+    number: int
+    members: tuple[int, ...]
+    workers: WorkerMap
+    comm: EpochComm
+    grid: EpochGrid
+    transport: EpochTransport
+
+
+def detect(failure: PeerFailure, detector: Detector, epoch: int, members: Sequence[int]) -> Detection:
+    """The epoch ended: why, in the failure's own words and the detector's finding when they lack it (a wait may
+    have seen only the group that another member's watchdog broke)."""
+    text = str(failure)
+    reason = detector.reason() if detector.tripped() else ""
+    if reason and reason not in text:
+        text = f"{text}; watchdog: {reason}"
+    return Detection(epoch, tuple(members), time.time(), text)
+
+
+def agree(job: Job, detection: Detection, position: Position) -> Agreement:
+    """Report ``position``, agree on the members of the next epoch, read every member's position.
+
+    Raises :class:`~ds_recycle.resilience.errors.MembershipError` when the others fenced this worker out.
+    """
+    epoch = detection.epoch + 1
+    job.store.set(job.keys.report(epoch, job.rank), position.to_json())
+    members = agree_members(job.store, epoch, job.rank, detection.members, job.watchdog.dead,
+                            timeout_s=job.timeout_s, keys=job.keys)
+    agreed = time.time()
+    positions = {q: Position.from_json(job.store.get(job.keys.report(epoch, q))) for q in members}
+    lost = tuple(sorted(set(detection.members) - set(members)))
+    kills = [t for t in (kill_time(job.store, job.keys, q) for q in lost) if t is not None]
+    return Agreement(epoch, tuple(members), lost, positions, min(kills) if kills else None, agreed)
+
+
+def regroup(job: Job, number: int, members: Sequence[int], tag: str, rider: LossRider,
+            known: dict[int, int] | None = None) -> Epoch:
+    """Build epoch ``number``'s groups among ``members`` (every member calls it with the same arguments).
+
+    The watchdog watches the members from now on (``known``: restart counts of joiners, from their requests) and
+    breaks the groups if one dies; a member that dies while the groups connect is a
+    :class:`~ds_recycle.resilience.errors.PeerFailure`.
+    """
+    workers = job.workers_of(members)
+    stage_members = workers.stage_ranks(job.stage)
+    watch_members(job.watchdog, job.store, job.keys, members, known)
+    holders = {t.name: tied_members(t, workers.stage_ranks) for t in job.tied}
+    # Its own store client: a connection abandoned while it waits for a dead member must not block this one.
+    store = connect_store(timeout_s=job.timeout_s)
+    label = f"g{job.generation}{tag}"
+    try:
+        comm = run_guarded(lambda: EpochComm.build(store, number, list(members), stage_members, job.rank,
+                                                   job.timeout_s, job.watchdog, label, holders),
+                           job.watchdog, job.timeout_s, f"building epoch {number}{tag}")
+    except RuntimeError as e:  # a member died while the groups were being connected
+        raise PeerFailure(f"building the groups of epoch {number}: {e}") from e
+    # Waits block in gloo from here on: a trip of the watch breaks every group of the epoch.
+    job.watchdog.guard(comm.groups)
+    grid = EpochGrid(workers, job.rank, comm)
+    return Epoch(number, tuple(sorted(members)), workers, comm, grid, EpochTransport(comm, job.rank, rider))
+
+
+def install(engine: Any, epoch: Epoch, plan: Any, reporter: int | None = None) -> None:
+    """The engine runs ``plan`` on ``epoch`` from its next instruction on (``reporter``: the rank the members
+    agreed writes the metrics; None: the engine's own stays)."""
+    engine.install_epoch(EpochSetup(epoch.workers, plan, epoch.grid, epoch.transport, reporter))
+
+
+def rerouted(plan: Any) -> int:
+    """(stage, micro-batch) pairs of an iteration that ``plan`` runs on a worker of another pipeline."""
+    return sum(plan.worker_of(s, (d, i))[0] != d for s in range(plan.stages)
+               for d in range(plan.pipelines) for i in range(plan.microbatches))
