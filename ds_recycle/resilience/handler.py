@@ -214,7 +214,17 @@ class FailureHandler:
                 return action()
             except PeerFailure as failure:
                 logger.info("%s interrupted: %s", what, failure)
+                self._recover_from(failure)
+
+    def _recover_from(self, failure: PeerFailure) -> None:
+        """Recover; a member that dies during the recovery (agreeing, building the groups) starts the next round."""
+        while True:
+            try:
                 self._recover(failure)
+                return
+            except PeerFailure as again:
+                logger.info("recovery interrupted: %s", again)
+                failure = again
 
     def _iteration(self) -> None:
         if self.faults.armed:
