@@ -53,6 +53,7 @@ torch's env:// rendezvous connects to it as a client because the launcher sets
 """
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -113,14 +114,50 @@ def restart_result_key(rank: int) -> str:
 
 
 def host_store(addr: str, port: int, timeout_s: float) -> TCPStore:
-    """Start the store's server in this process (``port`` 0 picks a free one: read ``store.port``)."""
+    """Start the store's server in this process (``port`` 0 picks a free one: read ``store.port``).
+
+    When ``addr`` is an IPv4 address the server listens on an IPv4 socket of ours (every IPv4 interface): torch's
+    own dual-stack socket sees each client as an IPv6-mapped address, whose name it looks up for its logs in DNS
+    (``/etc/hosts`` does not answer for mapped addresses), and the server answers nobody while a lookup waits.
+    A resolver that drops a query then stalls the whole store for its timeout (5 s by default); over IPv4,
+    loopback and the hosts file's addresses are answered locally.
+    """
     from torch.distributed import TCPStore
 
     try:
-        return TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        fd = None
+        if _is_ipv4(addr):
+            fd, port = _ipv4_listener(port)
+        if fd is None:
+            return TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        return TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                        master_listen_fd=fd)
     except (RuntimeError, OSError) as err:
         raise OSError(f"cannot host the store on {addr}:{port} ({err}); "
                       f"pick a free --master_port, or --master_port 0 for any free port") from err
+
+
+def _is_ipv4(addr: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET, addr)
+    except OSError:
+        return False
+    return True
+
+
+def _ipv4_listener(port: int) -> tuple[int, int]:
+    """A listening IPv4 socket on every interface at ``port`` (0: any free one): its descriptor (owned by the
+    store from now on) and its port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    return sock.detach(), port
 
 
 def connect_store(addr: str, port: int, timeout_s: float) -> TCPStore:
