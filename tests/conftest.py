@@ -9,6 +9,10 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# torch's store clients look up the name of every connection's address for their logs; a resolver that drops
+# queries (as our sandboxed CI machines' does, a few percent of them) stalls that connection for its timeout,
+# 5 s by default. One second bounds it for every job the tests start (docs/launcher.md, "reverse DNS").
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -78,6 +78,32 @@ class LaunchedJob:
         self.snapshot()
         return {int(m[1]): int(m[2]) for m in matches}
 
+    def pids(self) -> dict[int, int]:
+        """``rank -> pid`` of the workers running now (found through ``/proc``)."""
+        from ds_recycle.tools.procs import worker_pids
+
+        return worker_pids(self.proc.pid)
+
+    def signal_ranks(self, ranks: list[int], sig: signal.Signals) -> None:
+        """Send ``sig`` to the workers of ``ranks`` (each must be running)."""
+        pids = self.pids()
+        for rank in ranks:
+            assert rank in pids, (rank, pids)
+            os.kill(pids[rank], sig)
+
+    @contextlib.contextmanager
+    def members_paused(self, rank: int, restart: int, members: list[int], timeout_s: float = 150.0) -> Iterator[None]:
+        """Stop ``members`` (SIGSTOP) once the launcher has started restart ``restart`` of ``rank``; yield once that
+        process has filed its join request; resume them on exit. The members cannot train past a restarted process
+        while it starts up however loaded the machine is, so a job needs only a few iterations left to admit it."""
+        self.wait_for(rf"restarted rank {rank} as pid \d+ \(restart {restart}\)", timeout_s=120)
+        self.signal_ranks(members, signal.SIGSTOP)
+        try:
+            self.wait_for(rf"join request \d+ filed for rank {rank} \(restart {restart}\)", timeout_s=timeout_s)
+            yield
+        finally:
+            self.signal_ranks(members, signal.SIGCONT)
+
     def finish(self, timeout_s: float = 60.0) -> int:
         try:
             code = self.proc.wait(timeout_s)

@@ -21,14 +21,14 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from ds_recycle.tools.procs import worker_pids  # noqa: E402
+from ds_recycle.events import FailureEvent, RejoinEvent, ResumedEvent, events_of  # noqa: E402
 from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
 from tests.launcher.launch_harness import LaunchedJob, assert_no_survivors  # noqa: E402
 
@@ -67,15 +67,8 @@ def _wait_for_iteration(job: LaunchedJob, metrics: Path, iteration: int, timeout
         time.sleep(0.05)
 
 
-def _pid(job: LaunchedJob, rank: int) -> int:
-    pids = worker_pids(job.proc.pid)
-    assert rank in pids, (rank, pids)
-    return pids[rank]
-
-
 def _signal(job: LaunchedJob, ranks: list[int], sig: signal.Signals) -> None:
-    for rank in ranks:
-        os.kill(_pid(job, rank), sig)
+    job.signal_ranks(ranks, sig)
 
 
 def _finish(job: LaunchedJob, timeout_s: float = 200.0) -> None:
@@ -88,62 +81,43 @@ def _finish(job: LaunchedJob, timeout_s: float = 200.0) -> None:
             os.killpg(job.proc.pid, signal.SIGKILL)
 
 
-def _events(records: list[dict], kind: str) -> list[dict]:
-    return [e for r in records for e in r["events"] if e["kind"] == kind]
-
-
 @pytest.fixture(scope="module")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hard")
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp: Path) -> Path:
-    out = tmp / "base.pt"
-    job = launch(4, _script(tiny_config(tmp, "base", 2, 2), out, tmp / "base.jsonl", STEPS)[1:], timeout=200)
-    assert job.returncode == 0, job.output[-4000:]
-    return out
+def baseline(reference: Callable[[int, int, int], Path]) -> Path:
+    return reference(2, 2, STEPS)
 
 
 # ------------------------------------------------------------------------------------------------ a hung worker
 @pytest.mark.timeout(300)
-def test_hung_worker_is_declared_failed_within_heartbeat_stale_s_and_fenced(tmp_path: Path, baseline: Path) -> None:
+def test_a_short_stop_declares_nothing_and_a_hung_worker_is_declared_within_heartbeat_stale_s_and_fenced(
+        tmp_path: Path, baseline: Path) -> None:
+    """Two stops of worker (1, 0) in one job. Stopped for a third of ``heartbeat_stale_s`` and resumed, it is declared
+    nothing (its heartbeat resumes with it). Stopped for good, the survivors blocked in waits on it, it is declared
+    failed within ``heartbeat_stale_s`` and fenced (SIGKILLed) by its launcher; the model is the failure-free one."""
     config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=120.0, heartbeat_stale_s=STALE_S)
     out, metrics = tmp_path / "hung.pt", tmp_path / "hung.jsonl"
-    job = _start(4, _script(config, out, metrics, STEPS))
-    try:
-        _wait_for_iteration(job, metrics, 5)
-        _signal(job, [1], signal.SIGSTOP)  # (1, 0), left stopped: the survivors block in waits on it
-        stopped_at = time.time()
-        job.wait_for(r"fencing rank 1 \(pid \d+\): no heartbeat", timeout_s=60)
-    finally:
-        _finish(job)
-    assert re.search(r"summary: rank 1 \(pid \d+\) lost: signal SIGKILL", job.text), job.text[-3000:]
-    records = _records(metrics)
-    (failure,) = _events(records, "failure")
-    assert failure["lost_ranks"] == [1] and "hung: no heartbeat" in failure["reason"], failure
-    detection_s = failure["time_s"] - stopped_at
-    # the last heartbeat came at most one period (0.2 s) before the stop, the declaration heartbeat_stale_s later
-    assert STALE_S - 0.3 < detection_s < STALE_S + DETECTION_MARGIN_S, detection_s
-    assert len(records) == STEPS and records[-1]["live_workers"] == 3
-    assert_same_model(out, baseline, atol=0.0)
-
-
-@pytest.mark.timeout(300)
-def test_worker_stopped_shorter_than_heartbeat_stale_s_declares_nothing(tmp_path: Path, baseline: Path) -> None:
-    config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=120.0, heartbeat_stale_s=STALE_S)
-    out, metrics = tmp_path / "short.pt", tmp_path / "short.jsonl"
     job = _start(4, _script(config, out, metrics, STEPS))
     try:
         _wait_for_iteration(job, metrics, 5)
         _signal(job, [1], signal.SIGSTOP)
         time.sleep(STALE_S / 3)
         _signal(job, [1], signal.SIGCONT)
+        resumed = max(r["iter"] for r in _records(metrics))
+        _wait_for_iteration(job, metrics, resumed + 10)  # well past the short stop: whatever it caused has happened
+        assert "fencing" not in job.text and "watchdog:" not in job.text, job.text[-3000:]
+        assert not [e for r in _records(metrics) for e in r["events"]]
+        _signal(job, [1], signal.SIGSTOP)  # left stopped: the survivors block in waits on it
+        stopped_at = time.time()
+        job.wait_for(r"fencing rank 1 \(pid \d+\): no heartbeat", timeout_s=60)
     finally:
         _finish(job)
-    assert "fencing" not in job.text and "watchdog:" not in job.text, job.text[-3000:]
+    assert re.search(r"summary: rank 1 \(pid \d+\) lost: signal SIGKILL", job.text), job.text[-3000:]
     records = _records(metrics)
-    assert len(records) == STEPS and not [e for r in records for e in r["events"]]
+    (failure,) = events_of(records, FailureEvent)
+    assert failure.lost_ranks == (1,) and "hung: no heartbeat" in failure.reason, failure
+    detection_s = failure.time_s - stopped_at
+    # the last heartbeat came at most one period (0.2 s) before the stop, the declaration heartbeat_stale_s later
+    assert STALE_S - 0.3 < detection_s < STALE_S + DETECTION_MARGIN_S, detection_s
+    assert len(records) == STEPS and records[-1]["live_workers"] == 3
     assert_same_model(out, baseline, atol=0.0)
 
 
@@ -154,20 +128,13 @@ nobody is declared hung, and below ``failure_timeout_s``, so no wait runs out.""
 JOIN_STARTUP_S = 150.0
 
 
-@contextlib.contextmanager
-def _member_pause(job: LaunchedJob, restart: int) -> Iterator[None]:
+def _member_pause(job: LaunchedJob, restart: int) -> contextlib.AbstractContextManager[None]:
     """Pause the members while restart ``restart`` of rank 1 starts up; yield once it filed its join request."""
-    job.wait_for(rf"restarted rank 1 as pid \d+ \(restart {restart}\)", timeout_s=120)
-    members = [0, 2, 3]
-    _signal(job, members, signal.SIGSTOP)
-    try:
-        job.wait_for(rf"join request \d+ filed for rank 1 \(restart {restart}\)", timeout_s=JOIN_STARTUP_S)
-        yield
-    finally:
-        _signal(job, members, signal.SIGCONT)
+    return job.members_paused(1, restart, [0, 2, 3], timeout_s=JOIN_STARTUP_S)
 
 
 def _joiner_job(tmp_path: Path, *kills: str) -> tuple[LaunchedJob, Path, Path]:
+    """Worker (1, 0) killed at iteration 2; the launcher restarts it (up to 3 times) a second after each death."""
     config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=300.0, heartbeat_stale_s=JOIN_STALE_S)
     out, metrics = tmp_path / "j.pt", tmp_path / "j.jsonl"
     extra = ["--kill", "1:0@2:backward-input", *[a for k in kills for a in ("--kill", k)]]
@@ -175,78 +142,75 @@ def _joiner_job(tmp_path: Path, *kills: str) -> tuple[LaunchedJob, Path, Path]:
     return job, out, metrics
 
 
-def _second_attempt_joins(job: LaunchedJob) -> None:
-    with _member_pause(job, 2):
-        pass
-    job.wait_for(r"joined the running job at iteration", timeout_s=120)
-
-
 def _kill_job(job: LaunchedJob) -> None:
     if job.proc.poll() is None:
         os.killpg(job.proc.pid, signal.SIGKILL)
 
 
-def _check_joiner_death(job: LaunchedJob, out: Path, metrics: Path, baseline: Path, reason: str | None,
-                        killed_at: float | None = None) -> None:
+def _check_joiner_deaths(job: LaunchedJob, out: Path, metrics: Path, baseline: Path, reasons: list[str | None],
+                         killed_at: list[float | None]) -> None:
+    """Restarts 1 and 2 of rank 1 died during their admission, restart 3 joined: each death was an ordinary failure
+    (seen at once, not after ``failure_timeout_s``), the members went on, and the model is the failure-free one."""
     _finish(job)
-    assert re.search(r"summary: rank 1 \(pid \d+, restart 1\) lost: signal SIGKILL", job.text), job.text[-3000:]
-    assert re.search(r"summary: rank 1 \(pid \d+, restart 2\) finished: exit code 0", job.text), job.text[-3000:]
+    for restart in (1, 2):
+        assert re.search(rf"summary: rank 1 \(pid \d+, restart {restart}\) lost: signal SIGKILL", job.text), (
+            job.text[-3000:])
+    assert re.search(r"summary: rank 1 \(pid \d+, restart 3\) finished: exit code 0", job.text), job.text[-3000:]
     records = _records(metrics)
-    failures = _events(records, "failure")
-    assert [f["lost_ranks"] for f in failures] == [[1], [1]], failures  # the first kill, then the joiner's death
-    if reason is not None:
-        assert reason in failures[1]["reason"], failures[1]
-    if killed_at is not None:  # an ordinary failure, seen at once: not after failure_timeout_s (300 s)
-        assert failures[1]["time_s"] - killed_at < 30, failures[1]["time_s"] - killed_at
-    joins = _events(records, "rejoin")  # the second attempt (the first too if it died in its first iteration)
-    assert joins and joins[-1]["ranks"] == [1] and records[-1]["live_workers"] == 4, joins
+    failures = events_of(records, FailureEvent)
+    assert [f.lost_ranks for f in failures] == [(1,)] * 3, failures  # the first kill, then the two joiners' deaths
+    for failure, reason, at in zip(failures[1:], reasons, killed_at):
+        if reason is not None:
+            assert reason in failure.reason, failure
+        if at is not None:
+            assert failure.time_s - at < 30, failure.time_s - at
+    joins = events_of(records, RejoinEvent)  # the third attempt (a death in its first iteration joined before)
+    assert joins and joins[-1].ranks == (1,) and records[-1]["live_workers"] == 4, joins
     assert len(records) == STEPS
     assert_same_model(out, baseline, atol=0.0)
 
 
 @pytest.mark.timeout(600)
-def test_joiner_killed_after_filing_its_request(tmp_path: Path, baseline: Path) -> None:
+def test_joiners_killed_after_filing_their_request_and_while_the_groups_are_being_built(tmp_path: Path,
+                                                                                      baseline: Path) -> None:
+    """Restart 1 is SIGKILLed once its join request is filed (the members decide it at their next boundary); restart 2
+    is admitted but stopped before it connects to the join's groups, then SIGKILLed; restart 3 joins."""
     job, out, metrics = _joiner_job(tmp_path)
     try:
         with _member_pause(job, 1):
-            _signal(job, [1], signal.SIGKILL)  # its request is filed; the members decide it at their next boundary
-            killed_at = time.time()
-        _second_attempt_joins(job)
-    except BaseException:
-        _kill_job(job)
-        raise
-    _check_joiner_death(job, out, metrics, baseline, None, killed_at)
-
-
-@pytest.mark.timeout(600)
-def test_joiner_killed_while_the_groups_are_being_built(tmp_path: Path, baseline: Path) -> None:
-    job, out, metrics = _joiner_job(tmp_path)
-    try:
-        with _member_pause(job, 1):
+            _signal(job, [1], signal.SIGKILL)
+            first = time.time()
+        with _member_pause(job, 2):
             _signal(job, [1], signal.SIGSTOP)  # admitted, but it never connects to the join's groups
         time.sleep(3.0)  # the members reach their boundary, admit it and wait for its connection
         _signal(job, [1], signal.SIGKILL)
-        killed_at = time.time()
-        _second_attempt_joins(job)
+        second = time.time()
+        with _member_pause(job, 3):
+            pass
+        job.wait_for(r"joined the running job at iteration", timeout_s=120)
     except BaseException:
         _kill_job(job)
         raise
-    _check_joiner_death(job, out, metrics, baseline, "building epoch", killed_at)
+    _check_joiner_deaths(job, out, metrics, baseline, [None, "building epoch"], [first, second])
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("phase", ["join-transfer", "join-first-iteration"])
-def test_joiner_killed_in_state_transfer_or_first_iteration(tmp_path: Path, baseline: Path, phase: str) -> None:
-    job, out, metrics = _joiner_job(tmp_path, f"1:0@1:{phase}")  # dies in its first restart (life 1)
+def test_joiners_killed_in_the_state_transfer_and_in_their_first_iteration(tmp_path: Path, baseline: Path) -> None:
+    """Restart 1 dies as it receives its stage's state, restart 2 in its first iteration in the running job (it had
+    joined), restart 3 joins: the ``join-*`` faults fire in the life their iteration names."""
+    job, out, metrics = _joiner_job(tmp_path, "1:0@1:join-transfer", "1:0@2:join-first-iteration")
     try:
-        with _member_pause(job, 1):
+        for restart, phase in ((1, "join-transfer"), (2, "join-first-iteration")):
+            with _member_pause(job, restart):
+                pass
+            job.wait_for(rf"fault injection: killing this worker \(1:0@{restart}:{phase}\)", timeout_s=120)
+        with _member_pause(job, 3):
             pass
-        job.wait_for(rf"fault injection: killing this worker \(1:0@1:{phase}\)", timeout_s=120)
-        _second_attempt_joins(job)
+        job.wait_for(r"joined the running job at iteration", count=2, timeout_s=120)
     except BaseException:
         _kill_job(job)
         raise
-    _check_joiner_death(job, out, metrics, baseline, None)
+    _check_joiner_deaths(job, out, metrics, baseline, [None, None], [None, None])
 
 
 # ------------------------------------------------------------------------------------------------ 3 and 4 pipelines
@@ -254,15 +218,8 @@ D_STEPS = 7
 
 
 @pytest.fixture(scope="module")
-def baselines_d(tmp: Path) -> dict[int, Path]:
-    found = {}
-    for d in (3, 4):
-        out = tmp / f"base-2x{d}.pt"
-        job = launch(2 * d, _script(tiny_config(tmp, f"b{d}", 2, d), out, tmp / f"b{d}.jsonl", D_STEPS)[1:],
-                     timeout=300)
-        assert job.returncode == 0, job.output[-4000:]
-        found[d] = out
-    return found
+def baselines_d(reference: Callable[[int, int, int], Path]) -> dict[int, Path]:
+    return {d: reference(2, d, D_STEPS) for d in (3, 4)}
 
 
 # (pipelines, [(rank, delay after the previous kill)]); ranks are stage-major: (p, s) is rank s * D + p.
@@ -287,7 +244,7 @@ def test_any_number_of_pipelines_ends_bit_identical(tmp_path: Path, baselines_d:
     finally:
         _finish(job, 300)
     records = _records(metrics)
-    lost = sorted(r for e in _events(records, "failure") for r in e["lost_ranks"])
+    lost = sorted(r for e in events_of(records, FailureEvent) for r in e.lost_ranks)
     assert lost == sorted(r for r, _ in kills), lost
     assert records[-1]["live_workers"] == 2 * pipelines - len(kills)
     assert_same_model(out, baselines_d[pipelines], atol=0.0)
@@ -316,5 +273,5 @@ def test_manual_resume_appends_to_the_metrics_with_a_resumed_event(tmp_path: Pat
     assert again.returncode == 0, again.output[-3000:]
     records = _records(metrics)
     assert [r["iter"] for r in records] == [0, 1, 2, 3, 2, 3, 4], [r["iter"] for r in records]
-    (resumed,) = _events(records, "resumed")
-    assert resumed["iteration"] == 2 and resumed["checkpoint_found"] and records[4]["events"][-1] == resumed
+    (resumed,) = events_of(records, ResumedEvent)
+    assert resumed.iteration == 2 and resumed.checkpoint_found and records[4]["events"][-1] == resumed.to_dict()

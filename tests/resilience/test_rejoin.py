@@ -12,13 +12,16 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from ds_recycle.events import Event, FailureEvent, RejoinEvent, events_of  # noqa: E402
 from ds_recycle.resilience.rejoin import JoinTicket, decide_requests, file_request, write_tickets  # noqa: E402
 from ds_recycle.resilience.store import StoreKeys  # noqa: E402
 from ds_recycle.resilience.watchdog import Watchdog  # noqa: E402
@@ -60,6 +63,7 @@ def test_watchdog_sees_a_member_restarted_after_its_exit_key_was_deleted() -> No
 
 # ------------------------------------------------------------------------------------------------ jobs
 RESTART = ["--restart_failed_after", "1", "--max_restarts", "1"]
+E = TypeVar("E", bound=Event)
 
 
 def _run(tmp: Path, name: str, steps: int, kills: list[str], launcher_args: list[str]) -> tuple[Path, str, list]:
@@ -74,18 +78,18 @@ def _run(tmp: Path, name: str, steps: int, kills: list[str], launcher_args: list
     return out, job.output, job.metrics(metrics)
 
 
-def _events(records: list[dict], kind: str) -> list[tuple[int, dict]]:
-    return [(r["iter"], e) for r in records for e in r["events"] if e["kind"] == kind]
+def _events(records: list[dict], kind: type[E]) -> list[tuple[int, E]]:
+    return [(r["iter"], e) for r in records for e in events_of([r], kind)]
 
 
-STEPS = 300
-"""Long enough that a restarted worker (1 s restart delay, then its start-up: tens of seconds on a busy machine)
-joins before training ends."""
+STEPS = 100
+"""Enough iterations left after the kill for the members to admit a restarted worker: they are paused while it
+starts up (``LaunchedJob.members_paused``), so they cannot run past it however slowly it starts."""
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _run(tmp_path_factory.mktemp("rejoin-base"), "base", STEPS, [], [])[0]
+def baseline(reference: Callable[[int, int, int], Path]) -> Path:
+    return reference(2, 2, STEPS)
 
 
 @pytest.mark.multiprocess
@@ -94,7 +98,6 @@ def test_killed_worker_rejoins_then_its_peer_dies_same_model(tmp_path: Path, bas
     """(1, 0) dies at iteration 2 and rejoins with state from (0, 0); a few iterations after the join (0, 0) is
     SIGKILLed from outside and the rejoined worker carries stage 0 alone: the model is the failure-free one.
     (The second kill waits for the join: a fixed iteration would race the restarted process's start-up.)"""
-    from ds_recycle.tools.procs import worker_pids
     from tests.launcher.launch_harness import LaunchedJob
 
     config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=60.0)
@@ -103,25 +106,27 @@ def test_killed_worker_rejoins_then_its_peer_dies_same_model(tmp_path: Path, bas
                        "--deepspeed_config", str(config), "--steps", str(STEPS), "--save-final", str(out),
                        "--metrics", str(metrics), "--kill", "1:0@2:backward-input"], env={"WANDB_MODE": "disabled"})
     try:
+        with job.members_paused(1, 1, [0, 2, 3]):
+            pass
         joined = int(job.wait_for(r"joined the running job at iteration (\d+)", timeout_s=200)[0][1])
         while not metrics.exists() or len(metrics.read_text().splitlines()) < joined + 3:
             assert job.proc.poll() is None, job.text[-4000:]
             time.sleep(0.05)
-        os.kill(worker_pids(job.proc.pid)[0], signal.SIGKILL)
+        job.signal_ranks([0], signal.SIGKILL)
         assert job.proc.wait(timeout=200) == 0, job.text[-4000:]
     finally:
         if job.proc.poll() is None:
             os.killpg(job.proc.pid, signal.SIGKILL)
     output, records = job.text, [json.loads(line) for line in metrics.read_text().splitlines()]
-    (joined_at, join), *later = _events(records, "rejoin")  # later: the killed source (0, 0), restarted, may join too
-    assert all(j["ranks"] == [0] and j["workers"] == [[0, 0]] for _, j in later), later
-    assert join["ranks"] == [1] and join["workers"] == [[1, 0]] and 2 < joined_at == joined, join
-    assert join["members"] == [0, 1, 2, 3]
+    (joined_at, join), *later = _events(records, RejoinEvent)  # later: the killed (0, 0), restarted, may join too
+    assert all(j.ranks == (0,) and j.workers == ((0, 0),) for _, j in later), later
+    assert join.ranks == (1,) and join.workers == ((1, 0),) and 2 < joined_at == joined, join
+    assert join.members == (0, 1, 2, 3)
     by_iter = {r["iter"]: r for r in records}
     assert by_iter[joined_at - 1]["live_workers"] == 3 and by_iter[joined_at - 1]["rerouted_microbatches"] > 0
     assert by_iter[joined_at]["live_workers"] == 4 and by_iter[joined_at]["rerouted_microbatches"] == 0
-    failures = _events(records, "failure")
-    assert [e["lost_workers"] for _, e in failures] == [[[1, 0]], [[0, 0]]], failures
+    failures = _events(records, FailureEvent)
+    assert [e.lost_workers for _, e in failures] == [((1, 0),), ((0, 0),)], failures
     assert records[-1]["live_workers"] == 3 + len(later) and len(records) == STEPS
     assert re.search(r"summary: rank 1 \(pid \d+, restart 1\) finished: exit code 0", output), output[-3000:]
     assert_same_model(out, baseline)
@@ -133,7 +138,7 @@ def test_worker_restarted_after_training_ended_leaves_without_joining(tmp_path: 
     _, output, records = _run(tmp_path, "late", 6, ["1:0@4:forward"], RESTART)
     assert "not joining: training ended" in output, output[-4000:]
     assert re.search(r"summary: rank 1 \(pid \d+, restart 1\) finished: exit code 0", output), output[-3000:]
-    assert len(records) == 6 and not _events(records, "rejoin")
+    assert len(records) == 6 and not _events(records, RejoinEvent)
 
 
 @pytest.mark.multiprocess
@@ -152,12 +157,14 @@ def test_worker_restarted_on_command_rejoins_same_model(tmp_path: Path, baseline
         port = int(job.wait_for(r"store at [\d.]+:(\d+)")[0][1])
         job.wait_for(r"rank 1 \(pid \d+\) lost: signal SIGKILL", timeout_s=120)
         assert ds_recycle(["restart", "--master_port", str(port), "--timeout", "60", "1"]) == 0
+        with job.members_paused(1, 1, [0, 2, 3]):
+            pass
         assert job.proc.wait(timeout=200) == 0, job.text[-4000:]
     finally:
         if job.proc.poll() is None:
             os.killpg(job.proc.pid, signal.SIGKILL)
     assert "joined the running job at iteration" in job.text, job.text[-4000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    (_, join), = _events(records, "rejoin")
-    assert join["workers"] == [[1, 0]] and records[-1]["live_workers"] == 4
+    (_, join), = _events(records, RejoinEvent)
+    assert join.workers == ((1, 0),) and records[-1]["live_workers"] == 4
     assert_same_model(out, baseline)
