@@ -77,3 +77,17 @@ def assert_same_model(a: Path, b: Path, atol: float = 0.0) -> None:
     bad = [d for d in diffs if not d.ok]
     assert diffs and not bad, "models differ: " + "; ".join(
         f"{d.name} max abs {d.max_abs:.3e} rel {d.max_rel:.3e} {d.problem}" for d in bad[:5])
+
+
+class QuietDetector:
+    """A failure detector (:class:`ds_recycle.resilience.comm.Detector`) that never finds a failure: for groups and
+    waits tested without a watchdog, where only a broken group or a dead pair may end a wait."""
+
+    def failed(self) -> bool:
+        return False
+
+    def tripped(self) -> bool:
+        return False
+
+    def reason(self) -> str:
+        return ""

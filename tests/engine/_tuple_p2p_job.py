@@ -46,18 +46,7 @@ def channel(mode: str, rank: int) -> PeerChannel:
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
         return PeerChannel(DistTransport(), pipelines=2, microbatches=2)
     from ds_recycle.resilience.transport import EpochComm, EpochTransport
-
-    class Quiet:
-        """A failure detector that never finds a failure (none happens here)."""
-
-        def failed(self) -> bool:
-            return False
-
-        def tripped(self) -> bool:
-            return False
-
-        def reason(self) -> str:
-            return ""
+    from tests.harness import QuietDetector as Quiet  # no failure happens here
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, rank == 0,
                           timeout=timedelta(seconds=60))

@@ -41,9 +41,16 @@ def _steps_and_clipped(output: str) -> tuple[set[int], int]:
     return {s for s, _ in found}, max(c for _, c in found)
 
 
+@pytest.fixture(scope="module")
+def vanilla_2x2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Vanilla DeepSpeed's final model of the 2 x 2 job (shared by the tests that compare against it)."""
+    tmp = tmp_path_factory.mktemp("vanilla2x2")
+    return _train(tmp, _config(tmp, "vanilla", 2, enabled=False), 4, vanilla=True)[0]
+
+
 @pytest.mark.timeout(420)
-def test_2x2_vanilla_equals_1f1b_and_zero_bubble_plans(tmp_path: Path) -> None:
-    vanilla, _ = _train(tmp_path, _config(tmp_path, "vanilla", 2, enabled=False), 4, vanilla=True)
+def test_2x2_vanilla_equals_1f1b_and_zero_bubble_plans(tmp_path: Path, vanilla_2x2: Path) -> None:
+    vanilla = vanilla_2x2
     for schedule, step in (("1f1b", "synchronous"), ("zb-h1", "staggered")):
         mine, output = _train(tmp_path, _config(tmp_path, schedule, 2, schedule, optimizer_step=step), 4)
         assert_same_model(mine, vanilla)
@@ -53,9 +60,9 @@ def test_2x2_vanilla_equals_1f1b_and_zero_bubble_plans(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(540)
-def test_2x2_absent_workers_equal_vanilla(tmp_path: Path) -> None:
+def test_2x2_absent_workers_equal_vanilla(tmp_path: Path, vanilla_2x2: Path) -> None:
     """One absent in the first stage, one in the last stage, and two in different stages."""
-    vanilla, _ = _train(tmp_path, _config(tmp_path, "vanilla", 2, enabled=False), 4, vanilla=True)
+    vanilla = vanilla_2x2
     for name, absent in (("first", [[1, 0]]), ("last", [[0, 1]]), ("two", [[1, 0], [0, 1]])):
         mine, output = _train(tmp_path, _config(tmp_path, name, 2, "adaptive", absent), 4 - len(absent))
         assert_same_model(mine, vanilla)

@@ -98,18 +98,7 @@ def test_breaking_a_group_fails_a_blocked_receive_at_once_even_with_a_dead_membe
     import torch
 
     from ds_recycle.resilience.comm import EpochGroup, PeerFailure, bounded_wait
-
-    class Quiet:
-        """A detector that finds nothing: the break below is the only thing that ends the wait."""
-
-        def failed(self) -> bool:
-            return False
-
-        def tripped(self) -> bool:
-            return False
-
-        def reason(self) -> str:
-            return ""
+    from tests.harness import QuietDetector as Quiet  # the break below is the only thing that ends the wait
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
     peers = {r: _peer(store.port, "brk", "0,1,2", r) for r in (1, 2)}

@@ -40,13 +40,14 @@ def test_process_count_must_match_topology() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["vanilla", "recycle"])
-def test_2x2_trains_30_iterations_with_falling_loss(engine: str, tmp_path: Path) -> None:
+def test_2x2_trains_12_iterations_with_falling_loss(engine: str, tmp_path: Path) -> None:
+    """The default config learns: 12 iterations take the loss from ln(256) to below 4 (the last five's mean)."""
     metrics = tmp_path / "m.jsonl"
     extra = ["--vanilla"] if engine == "vanilla" else []
-    job = launch(4, ["--deepspeed_config", CONFIG, "--steps", "30", "--metrics", str(metrics), *extra], timeout=280)
+    job = launch(4, ["--deepspeed_config", CONFIG, "--steps", "12", "--metrics", str(metrics), *extra], timeout=280)
     assert job.returncode == 0, job.output[-4000:]
     records = job.metrics(metrics)
-    assert [r["iter"] for r in records] == list(range(30))
+    assert [r["iter"] for r in records] == list(range(12))
     losses = [r["loss"] for r in records]
     assert losses[0] > 5.0  # about ln(256) = 5.55 at initialisation
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
