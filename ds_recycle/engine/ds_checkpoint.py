@@ -47,7 +47,7 @@ def write_stage(engine: Any, save_dir: str, tag: str, client_state: dict[str, An
     module = engine.module
     for local, layer in enumerate(module.forward_funcs):
         if hasattr(layer, "state_dict"):
-            torch.save(layer.state_dict(), _layer_path(directory, module._local_start + local))
+            _save(layer.state_dict(), _layer_path(directory, module._local_start + local))
     state = {
         "module": None, "buffer_names": engine._get_buffer_names(),
         "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
@@ -61,10 +61,16 @@ def write_stage(engine: Any, save_dir: str, tag: str, client_state: dict[str, An
         **(client_state or {}), ITERATION_KEY: engine.iteration,
     }
     path = _stage_path(directory, engine.stage_id)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a reader never sees half a file
+    _save(state, path)
     return path
+
+
+def _save(obj: Any, path: Path) -> None:
+    """``torch.save`` through a temporary file: a reader (a restarted rank loading the checkpoint its peer is
+    writing again) sees the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 def write_latest(save_dir: str, tag: str) -> None:

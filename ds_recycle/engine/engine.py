@@ -511,6 +511,8 @@ class RecyclePipelineEngine(PipelineEngine):
         """
         if exclude_frozen_parameters:
             raise ValueError("exclude_frozen_parameters is not supported by RecyclePipelineEngine.save_checkpoint")
+        if self._calls < self.iteration:  # a resumed loop catching up: the job saved its state at this step already
+            return True
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         client = dict(client_state or {})
 

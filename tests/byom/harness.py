@@ -157,10 +157,17 @@ class Run:
         return sorted(p.name for p in root.glob("*/*")) if root.is_dir() else []
 
     def check(self) -> Run:
-        """Raise with the log's tail unless the job exited 0 and wrote its final file."""
-        assert self.returncode == 0, f"exit {self.returncode}:\n{self.log[-6000:]}"
+        """Raise with the log's tracebacks and tail unless the job exited 0 and wrote its final file."""
+        assert self.returncode == 0, f"exit {self.returncode}:\n{_tracebacks(self.log)}\n...\n{self.log[-4000:]}"
         assert self.final is not None, f"no final-parameter file:\n{self.log[-3000:]}"
         return self
+
+
+def _tracebacks(log: str, most: int = 3, lines: int = 40) -> str:
+    """The first ``most`` tracebacks in ``log`` (``lines`` lines each), which the tail alone often cuts off."""
+    rows = log.splitlines()
+    starts = [i for i, row in enumerate(rows) if "Traceback (most recent call last)" in row][:most]
+    return "\n".join("\n".join(rows[i:i + lines]) for i in starts)
 
 
 class Job:
