@@ -49,7 +49,7 @@ def _iteration_times(job: Job, steps: int, timeout_s: float) -> list[float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="alexnet", choices=("alexnet", "gpt", "tuple", "mlp"))
+    p.add_argument("--model", default="alexnet", choices=("alexnet", "gpt", "tuple", "mlp", "vit", "fuzzed"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import copy
 import logging
 import sys
 from collections.abc import Callable, Iterable
@@ -93,7 +94,14 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if value is not None:
             raise UnsupportedModelError(f"{name}= is not supported: the pipeline grid comes from the "
                                         "PipelineModule (and is rebuilt among the survivors after a failure)")
+    _check_topology(model)
     world = _init_distributed(distributed_port, dist_init_required)
+    if world.resilient and _ENGINES:
+        raise UnsupportedModelError("a second ds_recycle.initialize in one process under ds-recycle launch: the "
+                                    "failure handler holds one engine per worker (its groups, its store keys). "
+                                    "Reuse the first engine (engine.load_checkpoint reads a checkpoint into it), "
+                                    "or run the second model in its own process")
+    user_config = copy.deepcopy(ds_config)
     holes = model._grid.workers if isinstance(model._grid, SurvivorGrid) else None  # built with absent workers
     cfg = job_config(ds_config, stages=model.num_stages, cpu=not torch.cuda.is_available(),
                      world_size=world.world_size if holes is None else holes.stages * holes.pipelines,
@@ -110,6 +118,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         model._grid = SurvivorGrid(workers, timeout_s=cfg.recycle.failure_timeout_s)
     engine = _build_engine(model, optimizer, model_parameters, lr_scheduler, cfg, job_plan, data)
     engine.job_config, engine.rng_seed = cfg, cfg.recycle.rng_seed
+    engine.config = user_config  # as DeepSpeed's engine.config: the user's own dict (a script may hand it on)
+    _ENGINES.append(engine)
     _close_at_exit(engine)
     if world.resilient:
         from ds_recycle.resilience.handler import FailureHandler
@@ -169,14 +179,46 @@ def _close_at_exit(engine: RecyclePipelineEngine) -> None:
     atexit.register(close)
 
 
+_ENGINES: list[RecyclePipelineEngine] = []
+"""The engines this process built (one under ds-recycle launch)."""
+
+
+def _check_topology(model: PipelineModule) -> None:
+    """Refuse a topology with an axis beside ``pipe`` and ``data`` larger than 1 (tensor or sequence parallelism):
+    its shards would be averaged as if they were replicas."""
+    topo = model._topo
+    extra = {axis: topo.get_dim(axis) for axis in topo.get_axis_names() if axis not in ("pipe", "data")}
+    wide = {axis: size for axis, size in extra.items() if size > 1}
+    if wide:
+        raise UnsupportedModelError(f"the PipelineModule's topology has {wide} beside pipe and data: ds_recycle "
+                                    "re-routes work between data-parallel replicas only, so tensor- or sequence-"
+                                    "parallel shards are not supported; build the module with num_stages= or a "
+                                    "PipeDataParallelTopology")
+
+
 def _check_model(model: PipelineModule) -> None:
-    """Activation checkpointing: segments recomputed by a non-reentrant checkpoint (:mod:`ds_recycle.engine.recompute`)."""
+    """Activation checkpointing: segments recomputed by a non-reentrant checkpoint (:mod:`ds_recycle.engine.recompute`).
+    Running statistics (BatchNorm): said to be outside the exactness claim (see the README)."""
     from ds_recycle.engine.recompute import use_recompute
 
     try:
         use_recompute(model)
     except ValueError as e:
         raise UnsupportedModelError(str(e)) from e
+    running = running_statistics(model)
+    if running:
+        logger.warning("%s keep running statistics (buffers updated by each forward): after a failure they also "
+                       "absorb the re-routed micro-batches, so they differ from a failure-free run's; the parameters "
+                       "do not. Use GroupNorm/LayerNorm, or track_running_stats=False, for buffers that are exact "
+                       "too", ", ".join(running[:3]) + (" ..." if len(running) > 3 else ""))
+
+
+def running_statistics(model: torch.nn.Module) -> list[str]:
+    """Names of the modules of ``model`` whose forward updates buffers (BatchNorm-style running statistics)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return [name or type(m).__name__ for name, m in model.named_modules()
+            if isinstance(m, _NormBase) and m.track_running_stats]
 
 
 class _NoData:

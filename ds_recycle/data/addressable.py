@@ -52,6 +52,7 @@ _REMEDY = (
     "`index` of that pipeline at step `step` itself, so the data must be addressable by (step, pipeline, index). "
     "Pass the map-style Dataset as `training_data=` (DeepSpeed's own order is reproduced), a torch DataLoader "
     "whose sampler is a DistributedSampler (fresh, `iter()` of one, or a deepspeed RepeatingLoader around one), "
+    "a DataLoader whose batch_sampler names its data_parallel_rank and data_parallel_size (Megatron-style), "
     "or an object with a `micro_batch(step, pipeline, index)` method."
 )
 
@@ -307,9 +308,20 @@ class DeepSpeedOrder:
 
 def as_addressable(data: Any, micro_batches: int, *, step: int = 0, data_parallel_size: int | None = None,
                    data_parallel_rank: int | None = None) -> AddressableData:
-    """``data`` itself when it has the ``micro_batch`` hook, else :meth:`DeepSpeedOrder.from_data_iter`."""
+    """``data`` itself when it has the ``micro_batch`` hook; a loader over a batch sampler that names its
+    data-parallel rank (Megatron-style: :mod:`ds_recycle.data.replay`); else :meth:`DeepSpeedOrder.from_data_iter`."""
     if callable(getattr(data, "micro_batch", None)):
         return data
+    from ds_recycle.data.replay import replayed_batches
+
+    replayed = replayed_batches(data, micro_batches, step)
+    if replayed is not None:
+        for name, want, have in (("data_parallel_size", data_parallel_size, replayed.data_parallel_size),
+                                 ("data_parallel_rank", data_parallel_rank, replayed.data_parallel_rank)):
+            if want is not None and want != have:
+                raise NotAddressableError(f"the batch sampler's {name} is {have}, but this worker's is {want}; "
+                                          f"build it with {name}={want} (engine.grid)")
+        return replayed
     return DeepSpeedOrder.from_data_iter(data, micro_batches, step=step, data_parallel_size=data_parallel_size,
                                          data_parallel_rank=data_parallel_rank)
 

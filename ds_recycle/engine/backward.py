@@ -1,30 +1,44 @@
-"""Split backward: B computes input gradients only, W computes weight gradients module by module.
+"""Split backward: B computes input gradients only, W computes weight gradients from the nearest known gradients.
 
-Every *owner* module (a module with trainable parameters of its own) gets a forward hook. During a
-stage's forward, the hooks record each owner's output tensor. Then:
+Every *owner* module (a module with trainable parameters of its own) gets forward hooks that mark the edges of
+its inputs and outputs in the autograd graph. Then:
 
 - **B** (:func:`backward_input`): one ``torch.autograd.grad`` from the stage output to the stage input
-  (``retain_graph=True``). Autograd runs only the input-gradient half of each node (no weight-gradient
-  matmul, no ``.grad`` touched); a gradient hook on every recorded owner output keeps
-  ``d loss / d output`` as it flows past (no copy). Owner outputs off the path to the input (and every
-  owner on the first stage, whose input is token ids) are asked for explicitly.
-- **W** (:meth:`WeightGradWork.run`): for each owner, ``torch.autograd.backward(output, grad,
-  inputs=own parameters)``. That walks only the owner's own nodes (e.g. the ``addmm`` of a ``Linear``),
-  so W costs the weight-gradient work alone instead of re-walking the stage's input-gradient chain.
+  (``retain_graph=True``). Autograd runs only the input-gradient half of each node (no weight-gradient matmul, no
+  ``.grad`` touched); a gradient hook on every marked tensor keeps ``d loss / d tensor`` as it flows past (no
+  copy). Marked edges off the path to the input (every one on the first stage, whose input is token ids) are asked
+  for explicitly when W needs them.
+- **W** (:meth:`WeightGradWork.run`): the parameters are grouped by their nearest *dominating* marked edge, the one
+  every path from the stage output to them goes through (:mod:`ds_recycle.engine.autograd_graph`, one sweep of the
+  micro-batch's graph); one ``torch.autograd.backward(edge, its gradient, inputs=the group)`` per group. That
+  walks only the nodes between the edge and the parameters: a ``Linear``'s weight-gradient matmul from its output,
+  a layer scale's multiply from the child ``Linear``'s input. Parameters no marked edge dominates (a tied head
+  reading the embedding's weight outside the embedding's call, a weight used on two inputs) start at the stage
+  output: the *root* pass, which walks the nodes from there down to them.
 
-The per-owner split is exact when each owner's parameters reach the loss only through that owner's
-output in one call. When that does not hold (a module called twice in one forward, a parameter shared by
-two owners, an output that is neither a tensor nor a flat tuple of tensors, or one modified in place, an owner whose
-parameters are used without calling it, as a tied head reads the embedding's weight), the
-micro-batch falls back to one whole-stage W (``backward(output, grad, inputs=all parameters)``), which is
-always exact.
+That is the fused backward's gradient bit for bit for any graph (``tests/engine/test_backward_fuzz.py``): nesting,
+a module called twice, parameters shared by two modules or read outside them, frozen parts, custom autograd
+Functions, in-place changes after a module returned, a non-reentrant checkpoint inside a layer. Every pass keeps
+the graph (``retain_graph=True``); it goes when the W is done.
+
+**What each path costs** (W per micro-batch): a group started at a marked edge costs the nodes between that edge
+and its parameters (for a ``Linear``, its weight-gradient matmul; that is all W is); the root pass costs the
+nodes from the stage output down to its parameters, so input-gradient work again for a parameter deep in the
+stage. The sweep costs one Python visit per autograd edge (``benchmarks/split_paths.py`` measures all three).
+
+**Stages the split cannot run.** A function whose backward calls ``torch.autograd.backward`` itself (a reentrant
+checkpoint: ``torch.utils.checkpoint(..., use_reentrant=True)``, DeepSpeed's ``checkpointing.checkpoint``) hides
+its parameters from the outer graph and refuses ``torch.autograd.grad``. :func:`backward_input` raises
+:class:`SplitUnsupported` before any gradient is accumulated when B meets one, or when some trainable parameters
+are out of the graph's reach while a custom autograd Function is in it; the engine then runs that stage's
+backward fused from there on (:func:`backward_fused` with ``plain=True``: DeepSpeed's own
+``torch.autograd.backward``; W is empty, so the stage's bubbles are not filled).
 
 **Tuples.** A stage's input and output may be a tuple of tensors (:data:`~ds_recycle.engine.p2p.Payload`,
 e.g. ``(hidden, attention_mask)``). Only floating-point tensors carry gradients: the gradient of a tuple
 is the tuple of the gradients of its floating-point elements, in order (zeros for an element the stage
 does not depend on, so both ends always exchange the same tensors); other tensors (masks, ids) get none.
-An output element that does not require a gradient is left out of the autograd roots. An owner that
-returns a tuple is split per owner too, over its floating-point outputs.
+An output element that does not require a gradient is left out of the autograd roots.
 """
 from __future__ import annotations
 
@@ -33,43 +47,69 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from ds_recycle.engine.autograd_graph import ROOT, dominators
 from ds_recycle.engine.p2p import Payload
 
-__all__ = ["OwnerCapture", "Captured", "WeightGradWork", "backward_input", "backward_fused", "grad_buffers"]
+__all__ = ["OwnerCapture", "Captured", "Pass", "SplitUnsupported", "WeightGradWork", "backward_input",
+           "backward_fused", "grad_buffers"]
 
 logger = logging.getLogger(__name__)
 
 
+class SplitUnsupported(RuntimeError):
+    """This stage's backward cannot be split into B and W (see the module docstring); nothing was accumulated."""
+
+
 @dataclass
 class Captured:
-    """Owner outputs recorded during one forward."""
+    """The marked edges of one forward and, after B, their gradients."""
 
-    outputs: list[tuple[nn.Module, tuple[torch.Tensor, ...], tuple[int, ...]]] = field(default_factory=list)
-    """``(owner, its outputs that require grad, their versions at capture)`` in call order."""
-    exact: bool = True
-    """False when the per-owner split would be wrong for this forward (see the module docstring)."""
-    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    """Gradient of ``outputs[i]``'s ``j``-th tensor under ``(i, j)``, caught by the hooks during B."""
+    edges: list[GradientEdge] = field(default_factory=list)
+    """Each marked tensor's edge, in the order marked (one entry per edge)."""
+    index: dict[tuple[object, int], int] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Gradient of ``edges[i]`` under ``i``, caught by the hooks during B."""
+    closed: bool = False
+    """W is planned: later passes over the marked tensors keep nothing."""
 
-    def keep(self, key: tuple[int, int], grad: torch.Tensor) -> None:
-        self.grads[key] = grad
+    def keep(self, i: int, grad: torch.Tensor) -> None:
+        if not self.closed:
+            self.grads[i] = grad
 
-    def unchanged(self) -> bool:
-        """No recorded output was modified in place after its owner returned it."""
-        return all(t._version == v for _, tensors, versions in self.outputs for t, v in zip(tensors, versions))
+    def mark(self, tensor: torch.Tensor) -> None:
+        """Mark ``tensor``'s edge (once per edge); its hook fires with this version's gradient even if the tensor
+        is changed in place later."""
+        if not (tensor.requires_grad and tensor.is_floating_point()):
+            return
+        edge = get_gradient_edge(tensor)
+        key = (edge.node, edge.output_nr)
+        if key in self.index:
+            return
+        self.index[key] = len(self.edges)
+        tensor.register_hook(functools.partial(self.keep, len(self.edges)))
+        self.edges.append(edge)
+
+    def clear(self) -> None:
+        """Drop the edges (they reference the graph, whose hooks reference this object: a cycle)."""
+        self.edges, self.index, self.grads = [], {}, {}
 
 
-def _owner_outputs(output: object) -> tuple[torch.Tensor, ...] | None:
-    """The tensors of an owner's output (a tensor, or a flat tuple/list of tensors and Nones); None otherwise."""
-    if isinstance(output, torch.Tensor):
-        return (output,)
-    if isinstance(output, (tuple, list)) and all(t is None or isinstance(t, torch.Tensor) for t in output):
-        return tuple(t for t in output if t is not None)
-    return None
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    """The tensors of a module's argument or result: a tensor, or a flat tuple or list holding some."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list)):
+                yield from (t for t in item if isinstance(t, torch.Tensor))
 
 
 class OwnerCapture:
@@ -77,72 +117,75 @@ class OwnerCapture:
 
     def __init__(self, module: nn.Module) -> None:
         self.owners: list[nn.Module] = []
-        self.params: dict[int, list[nn.Parameter]] = {}
-        seen: dict[int, nn.Module] = {}
-        self.shared = False
+        unique: dict[int, nn.Parameter] = {}
         for m in module.modules():
             own = [p for p in m.parameters(recurse=False) if p.requires_grad]
             if not own:
                 continue
-            for p in own:
-                if id(p) in seen:
-                    self.shared = True
-                seen[id(p)] = m
+            unique.update((id(p), p) for p in own)
+            m.register_forward_pre_hook(self._before)
+            m.register_forward_hook(self._after)
             self.owners.append(m)
-            self.params[id(m)] = own
-            m.register_forward_hook(self._hook)
-        self.all_params = [p for m in self.owners for p in self.params[id(m)]]
+        self.all_params = list(unique.values())
         self.per_owner = True
-        """False: every W is one whole-stage pass (a stage with recomputed segments: one recompute per W)."""
+        """False: every W is one pass from the stage output (a stage with recomputed segments: one recompute per W)."""
+        self.fused = False
+        """True once the split met a stage it cannot run (:class:`SplitUnsupported`): B does the whole backward."""
         self._active: Captured | None = None
-        if self.shared:
-            logger.info("a parameter is shared by two modules; W runs over the whole stage")
 
-    def _hook(self, module: nn.Module, args: object, output: object) -> None:
-        cap = self._active
-        if cap is None:
-            return
-        tensors = _owner_outputs(output)
-        if tensors is None or any(m is module for m, _, _ in cap.outputs):
-            cap.exact = False
-            return
-        tensors = tuple(t for t in tensors if t.requires_grad)
-        if not tensors:
-            return
-        index = len(cap.outputs)
-        for j, tensor in enumerate(tensors):
-            tensor.register_hook(functools.partial(cap.keep, (index, j)))
-        cap.outputs.append((module, tensors, tuple(t._version for t in tensors)))
+    def _before(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if self._active is not None:
+            for tensor in _tensors(args):
+                self._active.mark(tensor)
+
+    def _after(self, module: nn.Module, args: object, output: object) -> None:
+        if self._active is not None:
+            for tensor in _tensors(output):
+                self._active.mark(tensor)
 
     @contextmanager
     def capture(self) -> Iterator[Captured]:
-        cap = Captured(exact=not self.shared and self.per_owner)
+        cap = Captured()
         self._active = cap
         try:
             yield cap
         finally:
             self._active = None
-        if cap.exact and len({id(m) for m, _, _ in cap.outputs}) < len(self.owners):
-            # An owner whose forward did not run may still have its parameters in the graph (a TiedLayerSpec head
-            # reads the embedding's weight through its forward_fn): only a whole-stage W is sure to reach them.
-            cap.exact = False
+
+
+class Pass(NamedTuple):
+    """One W autograd pass."""
+
+    roots: list[torch.Tensor] | list[GradientEdge]
+    grads: list[torch.Tensor]
+    params: list[nn.Parameter]
+    """The parameters it accumulates into."""
+    from_root: bool
+    """From the stage output (the root pass) rather than from a marked edge."""
 
 
 @dataclass
 class WeightGradWork:
-    """The W of one micro-batch: ``(tensors, grads, parameters)`` autograd passes, run in order."""
+    """The W of one micro-batch: autograd passes, run in order."""
 
-    passes: list[tuple[list[torch.Tensor], list[torch.Tensor], list[nn.Parameter]]]
+    passes: list[Pass]
 
     def run(self) -> None:
-        for tensors, grads, params in self.passes:
-            torch.autograd.backward(tensors, grads, inputs=params)
+        for p in self.passes:  # passes may walk the same nodes (a parent's parameter behind its child's)
+            torch.autograd.backward(p.roots, p.grads, inputs=p.params, retain_graph=True)
         self.passes = []
+
+    def kinds(self) -> tuple[int, int]:
+        """``(passes from marked edges, parameters in the root pass)``."""
+        return (sum(not p.from_root for p in self.passes),
+                sum(len(p.params) for p in self.passes if p.from_root))
 
 
 def _roots(output: Payload, grad_output: Payload | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Autograd roots of B/W: the stage output's tensors that require grad, and their incoming gradients."""
     if isinstance(output, torch.Tensor):
+        if not output.requires_grad:  # a stage of frozen layers fed by token ids: nothing to differentiate
+            return [], None
         if grad_output is None:
             return [output], None
         assert isinstance(grad_output, torch.Tensor), "a tensor output gets one tensor gradient"
@@ -193,47 +236,75 @@ def backward_input(output: Payload, grad_output: Payload | None, stage_input: Pa
     """B of one micro-batch: the gradient of ``stage_input`` (None if it needs none) and the pending W.
 
     ``output`` is the stage output (the scaled loss on the last stage, with ``grad_output`` None); a tuple
-    output comes with one gradient per floating-point tensor.
+    output comes with one gradient per floating-point tensor. Raises :class:`SplitUnsupported` (nothing
+    accumulated, the graph kept) for a stage the split cannot run.
     """
     roots, grad_root = _roots(output, grad_output)
     wanted = _differentiable(stage_input)
     if not roots:  # nothing of the output depends on anything differentiable
         return _input_grad(stage_input, {}), WeightGradWork([])
-    whole_stage = WeightGradWork([(roots, grad_root or [torch.ones_like(roots[0])], capture.all_params)])
-    owners = captured.outputs
-    exact = captured.exact and captured.unchanged()
-    if not wanted and not (exact and owners):  # nothing upstream wants a gradient: W does everything
-        return _input_grad(stage_input, {}), whole_stage
+    seeds = grad_root or [torch.ones_like(roots[0])]
     captured.grads.clear()
     found: dict[int, torch.Tensor | None] = {}
     if wanted:
-        grads = torch.autograd.grad(roots, wanted, grad_root, retain_graph=True, allow_unused=True)
+        grads = _grad(roots, wanted, grad_root)
         found = {id(t): g for t, g in zip(wanted, grads)}
     input_grad = _input_grad(stage_input, found)
-    if not exact:
-        return input_grad, whole_stage
-    keys = [(i, j) for i, (_, tensors, _) in enumerate(owners) for j in range(len(tensors))]
-    missing = [k for k in keys if k not in captured.grads]
-    if missing:  # off the input's path (or no input gradient at all): ask for those outputs explicitly
-        asked = torch.autograd.grad(roots, [owners[i][1][j] for i, j in missing], grad_root, retain_graph=True,
-                                    allow_unused=True)
-        captured.grads.update({k: g for k, g in zip(missing, asked) if g is not None})
-    passes = []
-    for i, (module, tensors, _) in enumerate(owners):
-        caught = [(t, captured.grads[(i, j)]) for j, t in enumerate(tensors) if (i, j) in captured.grads]
-        if caught:
-            passes.append(([t for t, _ in caught], [g for _, g in caught], capture.params[id(module)]))
-    captured.grads = {}
+    if not capture.per_owner:
+        passes = [Pass(list(roots), seeds, capture.all_params, from_root=True)]
+    else:
+        passes = _plan_weight_passes(roots, grad_root, seeds, captured, capture)
+    captured.closed = True
+    captured.clear()
     return input_grad, WeightGradWork(passes)
 
 
+def _grad(roots: list[torch.Tensor], inputs: list[torch.Tensor] | list[GradientEdge],
+          grad_root: list[torch.Tensor] | None) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad`` keeping the graph; a function that refuses it raises :class:`SplitUnsupported`."""
+    try:
+        return torch.autograd.grad(roots, inputs, grad_root, retain_graph=True, allow_unused=True)
+    except RuntimeError as error:
+        if ".grad()" not in str(error):  # torch's and DeepSpeed's reentrant checkpoints say so
+            raise
+        raise SplitUnsupported(f"a function in this stage's graph refuses torch.autograd.grad ({error})") from error
+
+
+def _plan_weight_passes(roots: list[torch.Tensor], grad_root: list[torch.Tensor] | None, seeds: list[torch.Tensor],
+                        captured: Captured, capture: OwnerCapture) -> list[Pass]:
+    """One pass per nearest dominating marked edge (its parameters), one from the stage output for the rest."""
+    params = capture.all_params
+    found = dominators([get_gradient_edge(r) for r in roots], captured.edges,
+                       [get_gradient_edge(p).node for p in params])
+    if found.functions and None in found.start:
+        raise SplitUnsupported("a custom autograd Function runs in this stage and some of its trainable parameters "
+                               "are out of the graph's reach (a reentrant checkpoint hides them)")
+    groups: dict[int, list[nn.Parameter]] = {}
+    for p, start in zip(params, found.start):
+        if start is not None:
+            groups.setdefault(start, []).append(p)
+    missing = [i for i in groups if i != ROOT and i not in captured.grads]
+    if missing:  # off the input's path (or no input gradient at all): ask for those edges explicitly
+        asked = _grad(roots, [captured.edges[i] for i in missing], grad_root)
+        captured.grads.update({i: g for i, g in zip(missing, asked) if g is not None})
+    passes = [Pass([captured.edges[i]], [captured.grads[i]], group, from_root=False)
+              for i, group in groups.items() if i != ROOT and i in captured.grads]
+    if ROOT in groups:
+        passes.append(Pass(list(roots), seeds, groups[ROOT], from_root=True))
+    return passes
+
+
 def backward_fused(output: Payload, grad_output: Payload | None, stage_input: Payload | None,
-                   capture: OwnerCapture) -> Payload | None:
-    """B and W of one micro-batch in one pass (DeepSpeed's backward); returns the input gradient."""
+                   capture: OwnerCapture, plain: bool = False) -> Payload | None:
+    """B and W of one micro-batch in one pass (DeepSpeed's backward); returns the input gradient.
+
+    ``plain``: ``torch.autograd.backward`` without ``inputs=``, as DeepSpeed calls it, for a stage whose graph
+    holds a reentrant function (:class:`SplitUnsupported`); it accumulates into every leaf that requires a grad.
+    """
     roots, grad_root = _roots(output, grad_output)
     wanted = _differentiable(stage_input)
     if roots:
-        torch.autograd.backward(roots, grad_root, inputs=[*wanted, *capture.all_params])
+        torch.autograd.backward(roots, grad_root, inputs=None if plain else [*wanted, *capture.all_params])
     found: dict[int, torch.Tensor | None] = {}
     for t in wanted:
         found[id(t)], t.grad = t.grad, None

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Protocol, cast
@@ -36,15 +36,23 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import engine as ds_pipe_engine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ds_recycle.engine import ds_checkpoint
+from ds_recycle.engine import ds_checkpoint, surface
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.backward import OwnerCapture, WeightGradWork, backward_fused, backward_input, grad_buffers
+from ds_recycle.engine.backward import (
+    OwnerCapture,
+    SplitUnsupported,
+    WeightGradWork,
+    backward_fused,
+    backward_input,
+    grad_buffers,
+)
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
-from ds_recycle.engine.p2p import Channel, Payload, PeerChannel
+from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
 from ds_recycle.engine.position import IterationProgress, KeptWork, Position
 from ds_recycle.engine.precision import MasterWeightOptimizer
+from ds_recycle.engine.recompute import use_recompute
 from ds_recycle.engine.rng import micro_batch_rng
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.stage_state import StageState
@@ -136,6 +144,7 @@ class RecyclePipelineEngine(PipelineEngine):
         if not isinstance(self.grid, SurvivorGrid):
             raise TypeError("RecyclePipelineEngine needs a PipelineModule built on a SurvivorGrid "
                             "(use ds_recycle.initialize)")
+        use_recompute(self.module)  # again: DeepSpeed's __init__ applies the config's activation_checkpoint_interval
         self.workers = self.grid.workers
         self.worker = (self.grid.data_parallel_id, self.stage_id)
         check_plan_for_job(plan, self.num_stages, self.workers.pipelines, self.micro_batches, self.workers.absent())
@@ -403,6 +412,34 @@ class RecyclePipelineEngine(PipelineEngine):
         self.loss = self.agg_train_loss = value
         return value
 
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """As DeepSpeed: ``fn`` post-processes each loaded micro-batch (Megatron-DeepSpeed's data path). It runs
+        wherever the micro-batch runs: on a peer that loads a failed worker's micro-batch too."""
+        self.batch_fn = fn
+
+    def set_dataiterator(self, iterator: Any) -> None:
+        """As DeepSpeed: train on ``iterator`` from the next ``train_batch`` (it must be addressable, as for
+        ``train_batch(data_iter=...)``: a peer may have to load another pipeline's micro-batches). As in
+        DeepSpeed, only the first and the last stage load data; the others ignore it."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.data = self._addressable(iterator)
+
+    def set_dataloader(self, loader: Any) -> None:
+        """As DeepSpeed: train on ``loader`` (see :meth:`set_dataiterator`)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data = self._addressable(iter(loader))
+
+    def was_step_applied(self) -> bool:
+        """As DeepSpeed: whether the last ``train_batch`` stepped the optimizer. Every step is applied (no loss
+        scaling, hence no skipped step), so True once one ran."""
+        return self.global_steps > 0
+
+    def get_global_grad_norm(self) -> float | None:
+        """As DeepSpeed: the gradient norm of the last step (the clipping norm; None with clipping off)."""
+        pending = self.stepper.pending_norm()
+        return pending if pending is not None or self.last_step is None else self.last_step.norm
+
     def _addressable(self, data_iter: Any) -> MicroBatchSourceLike:
         """``data_iter`` as an addressable source (built once per iterator object: loops pass the same one)."""
         if data_iter is self._data_iter:
@@ -592,6 +629,8 @@ class RecyclePipelineEngine(PipelineEngine):
         else:
             assert self._eval_data is not None, "eval_batch sets its data source before it runs"
             batch = self._eval_data.micro_batch(self._evaluating, micro_batch[0], micro_batch[1])
+        if self.batch_fn is not None:  # as DeepSpeed's _next_batch
+            batch = self.batch_fn(batch)
         if self.is_first_stage():  # as DeepSpeed: the first stage feeds batch[0], the last one's loss reads batch[1]
             slot.inputs = _to_device(batch[0], self.device)
         if self.is_last_stage():
@@ -603,6 +642,9 @@ class RecyclePipelineEngine(PipelineEngine):
         with self.capture.capture() as captured, micro_batch_rng(self.rng_seed, self.iteration, mb[0], mb[1],
                                                                  self.stage_id):
             out = self.module(slot.inputs)
+            if not self.is_last_stage():
+                check_payload(out, f"the output of stage {self.stage_id} (layers {self.module._local_start}-"
+                                   f"{self.module._local_stop - 1})")
             if self.is_last_stage():
                 loss_fn = self.module.loss_fn
                 loss = out if loss_fn is None else loss_fn(out, slot.labels)  # no loss_fn: the output is the loss
@@ -621,23 +663,29 @@ class RecyclePipelineEngine(PipelineEngine):
         slot = self.slots[buffer_id]
         assert slot.output is not None, f"B of {micro_batch} before its F"
         stage_input = None if self.is_first_stage() else slot.inputs
-        if weights:
+        if not (weights or self.capture.fused):
+            try:
+                slot.input_grad, slot.weight_work = backward_input(slot.output, slot.grad_output, stage_input,
+                                                                   slot.captured, self.capture)
+            except SplitUnsupported as why:
+                logger.warning("stage %d runs its backward fused from now on (W empty, its bubbles unfilled): %s",
+                               self.stage_id, why)
+                self.capture.fused = True
+        if weights or self.capture.fused:
             with self.stepper.accumulating_for(*micro_batch):
-                slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture)
+                slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture,
+                                                 plain=self.capture.fused)
             slot.weight_work = WeightGradWork([])
             self.progress.w_done.add(slot.mb)
-        else:
-            slot.input_grad, slot.weight_work = backward_input(slot.output, slot.grad_output, stage_input,
-                                                               slot.captured, self.capture)
         if slot.captured is not None:  # its outputs carry hooks that reference it: a cycle through the autograd
-            slot.captured.outputs.clear()  # graph that Python's GC cannot free (it held each iteration's graph)
+            slot.captured.clear()  # graph that Python's GC cannot free (it held each iteration's graph)
         slot.grad_output = slot.output = slot.captured = None
 
     def drop_slots(self) -> None:
         """Forget every micro-batch in flight (an interrupted iteration), releasing its autograd graph."""
         for slot in self.slots.values():
             if slot.captured is not None:  # the hook cycle would otherwise keep the slice's graph alive
-                slot.captured.outputs.clear()
+                slot.captured.clear()
         self.slots = {}
 
     def _exec_backward_weight(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
@@ -756,3 +804,7 @@ class RecyclePipelineEngine(PipelineEngine):
         ins.ShareCommittedNorm: _exec_share_committed_norm,
         ins.CompleteOptimizerStep: _exec_complete_optimizer_step,
     }
+
+
+for _name in surface.REFUSED:  # DeepSpeed's calls that would be silently wrong here raise at the call
+    setattr(RecyclePipelineEngine, _name, surface.refusal(_name))

@@ -490,6 +490,10 @@ class StaggeredOptimizer:
             self._wait(self._source_work)
             self._source_work = None
 
+    def pending_norm(self) -> float | None:
+        """The clipping norm of the step taken but not finished yet (None: none pending, or clipping off)."""
+        return None if self._pending is None else self._pending.norm
+
     def finish(self) -> StepOutcome | None:
         """Complete the pending step: its part in the norm exchange, zero the gradients, step the schedule."""
         pending = self._pending

@@ -26,7 +26,7 @@ import torch
 from ds_recycle.engine.instructions import MicroBatch
 from ds_recycle.engine.transport import Transport
 
-__all__ = ["DTYPES", "Channel", "Payload", "PeerChannel", "decode_header", "encode_header"]
+__all__ = ["DTYPES", "Channel", "Payload", "PeerChannel", "check_payload", "decode_header", "encode_header"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +56,25 @@ class Channel(enum.Enum):
     """The gradient of a stage input going back to the previous stage."""
 
 
+def check_payload(payload: object, where: str = "a stage output") -> None:
+    """Raise ``TypeError`` unless ``payload`` can cross a stage boundary: a tensor, or a tuple or list of 1 to
+    ``_MAX_PARTS`` tensors (a dict, a dataclass, a nested tuple or a number cannot)."""
+    if isinstance(payload, torch.Tensor):
+        return
+    if isinstance(payload, (tuple, list)) and 1 <= len(payload) <= _MAX_PARTS and all(
+            isinstance(t, torch.Tensor) for t in payload):
+        return
+    inner = f" of {[type(t).__name__ for t in payload]}" if isinstance(payload, (tuple, list)) else ""
+    raise TypeError(f"{where} is a {type(payload).__name__}{inner}: what crosses a stage boundary must be a tensor "
+                    f"or a tuple of 1 to {_MAX_PARTS} tensors (as in DeepSpeed's pipeline engine); return the "
+                    "tensors as a tuple, e.g. (hidden, mask), instead of a dict or a dataclass")
+
+
 def encode_header(payload: Payload) -> torch.Tensor:
     """The ``int64`` header that describes ``payload`` (see :func:`decode_header`)."""
+    check_payload(payload)
     bare = isinstance(payload, torch.Tensor)
     tensors = [payload] if isinstance(payload, torch.Tensor) else list(payload)
-    if not bare and not (1 <= len(tensors) <= _MAX_PARTS and all(isinstance(t, torch.Tensor) for t in tensors)):
-        raise TypeError(f"a stage output must be a tensor or a tuple of 1 to {_MAX_PARTS} tensors, "
-                        f"got {type(payload).__name__} of {[type(t).__name__ for t in tensors]}")
     meta = [0 if bare else len(tensors)] + [0] * (_RECORD - 1)
     for tensor in tensors:
         if tensor.dtype not in DTYPES or tensor.dim() > _RECORD - 2:

@@ -11,7 +11,12 @@ Every model is a stock ``deepspeed.pipe.PipelineModule`` (layer list, ``LayerSpe
 - ``tuple``: a GPT whose layers pass ``(hidden, attention_mask)`` between them, as Megatron-DeepSpeed's
   ``GPTModelPipe`` does; the mask is a ``bool`` tensor that needs no gradient; the inputs are the tuple
   ``(tokens, mask)`` of padded sequences;
-- ``mlp``: an MLP with dropout (randomness inside the forward).
+- ``mlp``: an MLP with dropout (randomness inside the forward);
+- ``fuzzed``: an MLP whose hidden layers are random blocks of ``fuzz_modules`` (nested owners, reuse, shared and
+  frozen parameters, checkpoints, custom Functions, in-place changes);
+- ``vit``: a small ViT over the images whose modules own parameters beside their children, as timm's do: the
+  patch embedding holds ``cls_token`` and ``pos_embed`` around its ``Conv2d``, each block an input scale used
+  before its first ``Linear`` and layer scales after its branches.
 
 ``build(name, num_stages, seed)`` returns ``(PipelineModule, Dataset)``; call it after
 ``deepspeed.init_distributed()``.
@@ -207,6 +212,47 @@ class MaskedHead(nn.Module):
         return self.proj(self.ln(hidden))
 
 
+class PatchEmbed(nn.Module):
+    """Image -> ``[cls] + patches`` tokens: a parameter of its own (``cls_token``, ``pos_embed``) around a child."""
+
+    def __init__(self, width: int, patch: int = 4, size: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, width, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, width) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, (size // patch) ** 2 + 1, width) * 0.02)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        patches = self.proj(images).flatten(2).transpose(1, 2)
+        return torch.cat([self.cls_token.expand(len(images), -1, -1), patches], dim=1) + self.pos_embed
+
+
+class ScaledBlock(Block):
+    """A transformer block with an input scale used before its first ``Linear`` and a layer scale per branch."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__(width, heads)
+        self.input_scale = nn.Parameter(torch.ones(width))
+        self.gamma1, self.gamma2 = nn.Parameter(torch.full((width,), 0.5)), nn.Parameter(torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x) * self.input_scale).chunk(3, dim=-1))
+        x = x + self.gamma1 * self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
+        return x + self.gamma2 * self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class ClassHead(nn.Module):
+    """The ``cls`` token's logits."""
+
+    def __init__(self, width: int, classes: int) -> None:
+        super().__init__()
+        self.ln, self.proj = nn.LayerNorm(width), nn.Linear(width, classes)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.ln(hidden[:, 0]))
+
+
 def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
@@ -256,8 +302,27 @@ def mlp(num_stages: int, seed: int) -> tuple[PipelineModule, Dataset]:
     return net, VectorDataset(seed)
 
 
+def fuzzed(num_stages: int, seed: int) -> tuple[PipelineModule, Dataset]:
+    """Random blocks of ``fuzz_modules`` between an input and an output ``Linear`` (the same for every ``seed``)."""
+    from fuzz_modules import random_blocks
+
+    width = 8
+    layers: list[nn.Module] = [nn.Linear(16, width), *random_blocks(range(4 * num_stages), width), nn.Linear(width, 4)]
+    net = PipelineModule(layers=layers, loss_fn=nn.MSELoss(), num_stages=num_stages, partition_method="uniform")
+    return net, VectorDataset(seed)
+
+
+def vit(num_stages: int, seed: int) -> tuple[PipelineModule, Dataset]:
+    """ViT with nested parameter owners (see the module docstring)."""
+    layers = [LayerSpec(PatchEmbed, WIDTH), *[LayerSpec(ScaledBlock, WIDTH, HEADS) for _ in range(2 * num_stages)],
+              LayerSpec(ClassHead, WIDTH, 4)]
+    net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=num_stages,
+                         partition_method="type:ScaledBlock")
+    return net, ImageDataset(seed)
+
+
 MODELS: dict[str, Callable[[int, int], tuple[PipelineModule, Dataset]]] = {
-    "alexnet": alexnet, "gpt": gpt, "tuple": tuple_gpt, "mlp": mlp}
+    "alexnet": alexnet, "gpt": gpt, "tuple": tuple_gpt, "mlp": mlp, "vit": vit, "fuzzed": fuzzed}
 
 
 def build(name: str, num_stages: int, seed: int) -> tuple[PipelineModule, Dataset]:

@@ -39,7 +39,7 @@ def variant(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("model", ["alexnet", "gpt", "tuple"])
+@pytest.mark.parametrize("model", ["alexnet", "gpt", "tuple", "fuzzed"])
 def test_failure_free_matches_vanilla(vanilla: VanillaRuns, variant: Path, tmp_path: Path, model: str) -> None:
     with start_ds_recycle(variant, script_args(model), tmp_path, pythonpath=(BYOM,)) as job:
         run = job.result(RUN_TIMEOUT_S).check()
@@ -75,6 +75,44 @@ def test_sigkill_mid_run_matches_vanilla(vanilla: VanillaRuns, variant: Path, tm
     assert len(run.losses()) == STEPS, run.log[-3000:]
     assert run.losses() == pytest.approx(reference.losses(), rel=1e-5)
     assert_same_final(run.final, reference.final)
+
+
+@pytest.mark.timeout(600)
+def test_nested_owners_train_under_the_default_schedule_and_survive_a_kill(vanilla: VanillaRuns, variant: Path,
+                                                                           tmp_path: Path) -> None:
+    """A ViT whose modules own parameters beside their children (``cls_token``, an input scale used before the
+    block's first ``Linear``, layer scales): failure-free and with a first-stage worker SIGKILLed, it ends at
+    vanilla DeepSpeed's model, and the killed run at the failure-free one bit for bit."""
+    with start_ds_recycle(variant, script_args("vit"), tmp_path / "free", pythonpath=(BYOM,)) as job:
+        free = job.result(RUN_TIMEOUT_S).check()
+    with start_ds_recycle(variant, script_args("vit"), tmp_path / "killed", pythonpath=(BYOM,)) as job:
+        job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
+        job.kill_rank(1)
+        killed = job.result(2 * RUN_TIMEOUT_S).check()
+    reference = vanilla("vit")
+    assert killed.events(FailureEvent) and len(killed.losses()) == len(free.losses()) == STEPS
+    assert free.losses() == pytest.approx(reference.losses(), rel=1e-5)
+    assert_same_final(free.final, reference.final)
+    assert killed.losses() == free.losses()
+    assert_same_final(killed.final, free.final, rtol=0.0)
+
+
+@pytest.mark.timeout(600)
+def test_megatron_style_sampler_with_a_kill_matches_vanilla(variant: Path, tmp_path: Path) -> None:
+    """``train_batch(data_iter=RepeatingLoader(DataLoader(batch_sampler=...)))`` with a sampler built from
+    ``(total, consumed, micro_batch_size, data_parallel_rank, data_parallel_size)``, as Megatron-DeepSpeed's
+    scripts build theirs, and ``engine.set_batch_fn`` post-processing them: the peer of a killed first-stage worker
+    replays that pipeline's batches and runs the function on them, and the model ends at vanilla DeepSpeed's."""
+    args = [*script_args("alexnet"), "--sampler", "shuffled"]
+    with start_torchrun(USER_TRAIN, args, tmp_path / "vanilla") as job:
+        reference = job.result(RUN_TIMEOUT_S).check()
+    with start_ds_recycle(variant, args, tmp_path / "killed", pythonpath=(BYOM,)) as job:
+        job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
+        job.kill_rank(1)
+        killed = job.result(2 * RUN_TIMEOUT_S).check()
+    assert killed.events(FailureEvent) and len(killed.losses()) == STEPS
+    assert killed.losses() == pytest.approx(reference.losses(), rel=1e-5)
+    assert_same_final(killed.final, reference.final)
 
 
 @pytest.mark.timeout(600)
@@ -190,17 +228,22 @@ def vanilla_checkpointed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("victim", [None, 3], ids=["failure-free", "last-stage-killed"])
+@pytest.mark.parametrize("victim", [None, 3], ids=["failure-free-config-eval", "last-stage-killed"])
 def test_activation_checkpointing_matches_vanilla(vanilla_checkpointed: Path, variant: Path, tmp_path: Path,
                                                   victim: int | None) -> None:
-    """Checkpointed segments recomputed by the non-reentrant checkpoint under the B/W split: vanilla's model."""
-    args = [*script_args("alexnet"), *CHECKPOINTING]
+    """Checkpointed segments recomputed by the non-reentrant checkpoint under the B/W split: vanilla's model.
+
+    Failure-free, checkpointing is switched on in the config (``pipeline.activation_checkpoint_interval``, which
+    DeepSpeed applies inside the engine) and the script ends with ``eval_batch``; killed, on the module."""
+    args = script_args("alexnet", "fp32-checkpointed") + ["--eval"] if victim is None else [
+        *script_args("alexnet"), *CHECKPOINTING]
     with start_ds_recycle(variant, args, tmp_path, pythonpath=(BYOM,)) as job:
         if victim is not None:
             job.wait_for(rf"step {KILL_AFTER_STEP} loss", timeout=RUN_TIMEOUT_S)
             job.kill_rank(victim)
         run = job.result(2 * RUN_TIMEOUT_S).check()
     assert len(run.losses()) == STEPS and (victim is None or run.events(FailureEvent)), run.log[-3000:]
+    assert victim is not None or len(re.findall(r"eval rank \d loss \d", run.log)) == 4, run.log[-3000:]
     assert_same_final(run.final, vanilla_checkpointed)
 
 

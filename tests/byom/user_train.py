@@ -31,6 +31,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval", action="store_true", help="after training, print every rank's eval_batch loss")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0,
                         help="checkpoint activations every N layers (PipelineModule.set_checkpoint_interval)")
+    parser.add_argument("--sampler", choices=("sequential", "shuffled"), default=None,
+                        help="feed train_batch(data_iter=...) from a Megatron-style batch sampler (samplers.py), "
+                             "its batches post-processed by engine.set_batch_fn")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -60,12 +63,23 @@ def main() -> None:
 
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], training_data=dataset)  # noqa: E501
 
+    data_iter = None
+    if args.sampler:
+        import samplers
+        from deepspeed.utils import RepeatingLoader
+
+        grid = engine.grid
+        cls = samplers.SequentialSampler if args.sampler == "sequential" else samplers.ShuffledSampler
+        batch_sampler = cls(len(dataset), 0, engine.train_micro_batch_size_per_gpu(),
+                            grid.get_data_parallel_rank(), grid.get_data_parallel_world_size())
+        data_iter = RepeatingLoader(DataLoader(dataset, batch_sampler=batch_sampler))
+        engine.set_batch_fn(lambda batch: (batch[0] * 0.5 + 0.25, batch[1]))  # post-processing, Megatron-style
     start = 0
     if args.load:
         engine.load_checkpoint(args.load, tag="final")
         start = engine.global_steps
     for step in range(start, args.steps):
-        loss = engine.train_batch()
+        loss = engine.train_batch() if data_iter is None else engine.train_batch(data_iter=data_iter)
         if engine.global_rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:

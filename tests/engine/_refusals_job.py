@@ -57,8 +57,49 @@ def main() -> int:
         engine.train_batch(data_iter=iter([(torch.zeros(2, 4), torch.zeros(2, 1))]))
     except ValueError as e:
         report["plain_iterator"] = str(e)
+    report.update(_engine_api(config))
+    ds_recycle.initialize(model=PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4),
+                                                       LayerSpec(torch.nn.BatchNorm1d, 4),
+                                                       LayerSpec(torch.nn.Linear, 4, 1)],
+                                               num_stages=1, loss_fn=torch.nn.MSELoss()), config=config)
     print("REPORT " + json.dumps(report))
     return 0
+
+
+def _engine_api(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's engine API as a script uses it: ``config``, ``set_batch_fn``, ``set_dataiterator``,
+    ``set_dataloader``, ``was_step_applied``, ``get_global_grad_norm``."""
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    import ds_recycle
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    user = {**config, "gradient_clipping": 1.0}
+    engine, _, _, _ = ds_recycle.initialize(
+        model=PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 1)],
+                             num_stages=1, loss_fn=torch.nn.MSELoss()), config=user, training_data=data)
+    out: dict[str, Any] = {"config_is_users": engine.config == user, "applied_before": engine.was_step_applied()}
+    seen: list[int] = []
+
+    def batch_fn(batch: Any) -> Any:
+        seen.append(len(batch[0]))
+        return batch[0], batch[1] * 0.0 + 100.0  # labels far off: a large loss shows the function ran
+    engine.set_batch_fn(batch_fn)
+    out["batch_fn_loss"] = float(engine.train_batch())
+    out["batch_fn_calls"] = seen
+    out["applied_after"] = engine.was_step_applied()
+    out["norm"] = engine.get_global_grad_norm()
+    engine.set_batch_fn(None)
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=False))
+    engine.set_dataloader(loader)
+    out["dataloader_loss"] = float(engine.train_batch())
+    engine.set_dataiterator(iter(loader))
+    out["dataiterator_loss"] = float(engine.train_batch())
+    return out
 
 
 if __name__ == "__main__":

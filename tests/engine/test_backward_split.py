@@ -71,7 +71,7 @@ def test_first_stage_without_input_grad_and_loss_root() -> None:
     with capture.capture() as cap:
         loss = loss_fn(stage(tokens).view(-1, 32), tokens.view(-1)) / 4
     dx, work = backward_input(loss, None, None, cap, capture)
-    assert dx is None and len(work.passes) == len(capture.owners)
+    assert dx is None and work.kinds()[1] == 0, "every parameter starts at a marked edge"
     work.run()
     for got, ref_g in zip((p.grad for p in stage.parameters()), want):
         torch.testing.assert_close(got, ref_g, rtol=1e-5, atol=1e-7)

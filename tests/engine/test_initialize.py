@@ -25,3 +25,20 @@ def test_unsupported_inputs_are_refused_at_initialize() -> None:
     assert "training_data" in report["not_a_dataset"] and "micro_batch" in report["not_a_dataset"]
     assert report["accepted"] == "RecyclePipelineEngine SGD None None"
     assert "re-routing" in report["plain_iterator"] or "addressable" in report["plain_iterator"], report
+    assert report["config_is_users"] is True, "engine.config is the user's own dict, as DeepSpeed's"
+    assert report["applied_before"] is False and report["applied_after"] is True
+    assert report["batch_fn_loss"] > 1000.0 and report["batch_fn_calls"] == [2, 2], "set_batch_fn runs per micro-batch"
+    assert isinstance(report["norm"], float) and report["norm"] >= 0.0
+    assert report["dataloader_loss"] > 0.0 and report["dataiterator_loss"] > 0.0
+    assert "1 keep running statistics" in out, "BatchNorm buffers: said at initialize"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_second_engine_in_one_launched_worker_says_why_at_once() -> None:
+    from tests.harness import REPO, run
+
+    job = run([sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", "1", "--master_port", "0",
+               "--no_local_rank", str(REPO / "tests" / "engine" / "_two_engines_job.py")], timeout=100)
+    assert "SECOND a second ds_recycle.initialize in one process" in job.output, job.output[-3000:]
+    assert "Reuse the first engine" in job.output

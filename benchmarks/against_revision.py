@@ -1,0 +1,86 @@
+"""This checkout against another git revision on the same job: time per iteration, alternated run by run.
+
+    .venv/bin/python benchmarks/against_revision.py --rev main~1 [--rounds 4] [--steps 30] \
+        [--config configs/gpt_cpu_2x2.json] [--out FILE]
+
+The revision is checked out into a temporary git worktree and run with this checkout's virtual environment (its
+``ds_recycle`` first on ``PYTHONPATH``). Each round runs the built-in training script (``launch/train.py``) under
+``ds-recycle launch`` on ``--config`` once per checkout, in alternating order, and reads the per-iteration wall
+times the script logs (``iter k/N ... X ms``) from iteration 5 on. Reported: the median per checkout and their
+ratio, with the machine's load. Real compute on CPU, all workers sharing the cores (not emulated).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP = 5
+_ITER = re.compile(r"iter (\d+)/\d+ loss \S+ (\d+) ms")
+
+
+def _run(checkout: Path, config: Path, steps: int, workers: int) -> list[float]:
+    env = {**os.environ, "PYTHONPATH": str(checkout), "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", str(workers), "--master_port", "0",
+           str(checkout / "launch" / "train.py"), "--deepspeed_config", str(config), "--steps", str(steps)]
+    out = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{checkout}: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}")
+    found = {int(k): float(ms) for k, ms in _ITER.findall(out.stdout + out.stderr)}
+    return [found[k] for k in sorted(found) if k > WARMUP]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rev", required=True, help="the git revision to compare with")
+    p.add_argument("--config", default=str(ROOT / "configs" / "gpt_cpu_2x2.json"))
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    config = Path(args.config).resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        other = Path(tmp) / "rev"
+        subprocess.run(["git", "worktree", "add", "--detach", str(other), args.rev], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            checkouts = {"this checkout": ROOT, args.rev: other}
+            times: dict[str, list[float]] = {name: [] for name in checkouts}
+            loads = []
+            for r in range(args.rounds):
+                order = list(checkouts) if r % 2 == 0 else list(reversed(checkouts))
+                for name in order:
+                    times[name] += _run(checkouts[name], config, args.steps, args.workers)
+                    loads.append(os.getloadavg()[0])
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, capture_output=True)
+    mine, theirs = (statistics.median(times[name]) for name in checkouts)
+    lines = [f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; load average during the "
+             f"runs {min(loads):.1f}-{max(loads):.1f}",
+             f"command: {' '.join(['python', *sys.argv])}",
+             f"job: launch/train.py, {config.name}, {args.workers} workers under ds-recycle launch, {args.steps} "
+             f"steps, {args.rounds} alternated rounds, iterations {WARMUP + 1}+ (real compute on CPU, not emulated)",
+             f"{'checkout':>16} {'ms/iteration (median)':>22} {'iterations':>10}",
+             f"{'this checkout':>16} {mine:>22.1f} {len(times['this checkout']):>10}",
+             f"{args.rev:>16} {theirs:>22.1f} {len(times[args.rev]):>10}",
+             f"ratio this / {args.rev}: {mine / theirs:.3f}"]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
