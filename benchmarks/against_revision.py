@@ -6,15 +6,16 @@
 The revision is checked out into a temporary git worktree and run with this checkout's virtual environment (its
 ``ds_recycle`` first on ``PYTHONPATH``). Each round runs the built-in training script (``launch/train.py``) under
 ``ds-recycle launch`` on ``--config`` once per checkout, in alternating order, and reads the per-iteration wall
-times the script logs (``iter k/N ... X ms``) from iteration 5 on. Reported: the median per checkout and their
-ratio, with the machine's load. Real compute on CPU, all workers sharing the cores (not emulated).
+times from the script's metrics file (``--metrics``: ``iter_time_s`` of every iteration) from iteration 6 on.
+Reported: the median per checkout and their ratio, with the machine's load. Real compute on CPU, all workers
+sharing the cores (not emulated).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -24,18 +25,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 5
-_ITER = re.compile(r"iter (\d+)/\d+ loss \S+ (\d+) ms")
 
 
-def _run(checkout: Path, config: Path, steps: int, workers: int) -> list[float]:
+def _run(checkout: Path, config: Path, steps: int, workers: int, metrics: Path) -> list[float]:
     env = {**os.environ, "PYTHONPATH": str(checkout), "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", str(workers), "--master_port", "0",
-           str(checkout / "launch" / "train.py"), "--deepspeed_config", str(config), "--steps", str(steps)]
+           str(checkout / "launch" / "train.py"), "--deepspeed_config", str(config), "--steps", str(steps),
+           "--metrics", str(metrics)]
     out = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{checkout}: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}")
-    found = {int(k): float(ms) for k, ms in _ITER.findall(out.stdout + out.stderr)}
-    return [found[k] for k in sorted(found) if k > WARMUP]
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r["iter_time_s"] * 1e3 for r in records if r["iter"] >= WARMUP]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             loads = []
             for r in range(args.rounds):
                 order = list(checkouts) if r % 2 == 0 else list(reversed(checkouts))
-                for name in order:
-                    times[name] += _run(checkouts[name], config, args.steps, args.workers)
+                for k, name in enumerate(order):
+                    metrics = Path(tmp) / f"metrics-{r}-{k}.jsonl"
+                    times[name] += _run(checkouts[name], config, args.steps, args.workers, metrics)
                     loads.append(os.getloadavg()[0])
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, capture_output=True)
