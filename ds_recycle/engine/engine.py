@@ -48,6 +48,7 @@ from ds_recycle.engine.backward import (
 )
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
+from ds_recycle.engine.op_clock import KINDS, OpClock, stage_costs
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
 from ds_recycle.engine.position import IterationProgress, KeptWork, Position
@@ -59,6 +60,7 @@ from ds_recycle.engine.stage_state import StageState
 from ds_recycle.engine.tied import reduce_tied, tied_members, tied_weights
 from ds_recycle.engine.transport import DistTransport, Transport
 from ds_recycle.events import Event
+from ds_recycle.plan.costs import CostModel
 from ds_recycle.runtime.grid import SurvivorGrid
 
 __all__ = ["MicroBatchSourceLike", "RecyclePipelineEngine", "rerouted_pipelines", "served_pipelines"]
@@ -186,6 +188,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self.repair: Repair | None = None
         """When set, the next ``train_batch`` runs only what is left of the interrupted iteration."""
         self.op_seconds: dict[str, list[float]] | None = None
+        self.clock: OpClock | None = OpClock() if self.device.type == "cpu" else None
+        """This worker's F, B, W and O wall times (:mod:`ds_recycle.engine.op_clock`; CPU devices only)."""
         """When a dict, each executed instruction's wall time is appended under its class name."""
         self._calls = 0
         self.rng_seed = 0
@@ -388,6 +392,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """
         self.module.train()
         self._iteration_loss = None
+        started, repairing = time.perf_counter(), self.repair is not None
         schedule = self._train_schedule()
         if self.repair is None:
             self.progress = IterationProgress(self.iteration)
@@ -396,6 +401,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self._exec_schedule(schedule)
         self._iteration_loss = self._losses.get(self.iteration) if self.is_reporter() else None
         self._share_loss()
+        if self.clock is not None:  # a repaired iteration's time includes the recovery: its instructions count
+            self.clock.end_iteration(None if repairing else time.perf_counter() - started)
         self.repair = None
         self.iteration += 1
         return self._iteration_loss
@@ -603,12 +610,37 @@ class RecyclePipelineEngine(PipelineEngine):
                                        "register its exact type in _INSTRUCTION_MAP")
                 if hooks is not None:
                     hooks.before_instruction(cmd)
-                if self.op_seconds is None:
+                kind = self._timed_kind(cmd)
+                if self.op_seconds is None and kind is None:
                     MethodType(handler, self)(**cmd.kwargs)
                     continue
                 start = time.perf_counter()
                 MethodType(handler, self)(**cmd.kwargs)
-                self.op_seconds[cmd.name].append(time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                if self.op_seconds is not None:
+                    self.op_seconds[cmd.name].append(seconds)
+                if kind is not None and self.clock is not None:
+                    self.clock.record(kind, seconds)
+
+    def _timed_kind(self, cmd: Any) -> str | None:
+        """The cost kind :attr:`clock` files a training instruction under (None: not timed)."""
+        if self.clock is None or self._evaluating is not None:
+            return None
+        if isinstance(cmd, ins.BackwardInput):
+            return "BW" if cmd.kwargs.get("weights") else "B"
+        return _TIMED.get(type(cmd))
+
+    def measured_costs(self) -> CostModel | None:
+        """The costs per stage this job measured (every member's :attr:`clock`, summed over the members: a
+        collective, every member calls it at the same point); None until every stage has timed a forward."""
+        return self.driver.run(self._gather_costs, "measuring costs")
+
+    def _gather_costs(self) -> CostModel | None:
+        rows = torch.zeros(self.num_stages, len(KINDS), 2, dtype=torch.float64)
+        if self.clock is not None:
+            rows[self.stage_id] = self.clock.as_row()
+        self.transport.all_reduce_members(rows, "measured costs")
+        return stage_costs(rows)
 
     def enable_op_timing(self) -> None:
         """Start recording per-instruction wall times in :attr:`op_seconds`."""
@@ -808,3 +840,7 @@ class RecyclePipelineEngine(PipelineEngine):
 
 for _name in surface.REFUSED:  # DeepSpeed's calls that would be silently wrong here raise at the call
     setattr(RecyclePipelineEngine, _name, surface.refusal(_name))
+
+
+_TIMED: dict[type, str] = {ins.ForwardMicroBatch: "F", ins.BackwardWeight: "W", ins.StaggeredOptimizerStep: "O"}
+"""Instruction types :attr:`RecyclePipelineEngine.clock` times, by cost kind (BackwardInput: see ``_timed_kind``)."""

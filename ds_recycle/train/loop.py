@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ds_recycle.config import ConfigError, TrainConfig, load_config
@@ -52,6 +53,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="inject a failure: SIGKILL worker (pipeline P, stage S) when it enters PHASE of iteration N "
                         "(forward, backward-input, backward-weight, send, receive, all-reduce, optimizer-step, idle); "
                         "repeatable; adds to recycle.faults")
+    p.add_argument("--costs-out", dest="costs_out", default=None,
+                   help="after training, write the F/B/W/O costs per stage the job measured (the planner's "
+                        "costs-file format, seconds: recycle.costs_file reads it) and log how the plan fares under "
+                        "them against the measured iteration")
     p.add_argument("--vanilla", action="store_true", help="run DeepSpeed's stock PipelineEngine (the baseline)")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), default=None,
                    help="wandb mode (default: $WANDB_MODE, else offline)")
@@ -201,6 +206,8 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
                             result.live_workers, result.rerouted_microbatches)
         if args.checkpoint_interval and (it + 1) % args.checkpoint_interval == 0 and it + 1 < args.steps:
             runner.save_checkpoint(args.checkpoint_dir, it + 1)
+    if args.costs_out:
+        _write_costs(runner, args.costs_out)
     state = runner.gather_final_state() if args.save_final else None
     if state is not None:
         import torch
@@ -211,6 +218,28 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
         metrics.close({"first_loss": first_loss, "final_loss": last_loss})
     runner.close()
     return 0
+
+
+def _write_costs(runner: Runner, path: str) -> None:
+    """The measured costs to ``path`` (on the reporter), and the plan's time under them beside the measured one."""
+    report = runner.measured_costs()
+    if report is None:
+        logger.warning("no costs measured (DeepSpeed's engine, or a GPU, where instructions are not timed yet): "
+                       "%s not written", path)
+        return
+    if not runner.is_reporter():
+        return
+    Path(path).write_text(json.dumps({**report.costs.to_json(), "units": "s", "source": "measured by the job"},
+                                     indent=2) + "\n")
+    measured = "none complete" if report.measured_s is None else f"{report.measured_s * 1e3:.1f} ms"
+    ratio = "" if report.measured_s is None else f" (measured / planned {report.measured_s / report.planned_s:.3f})"
+    logger.info("measured costs per stage (ms): F %s B %s W %s O %s; the plan's iteration under them %.1f ms, "
+                "measured %s%s; written to %s", *(_ms(getattr(report.costs, k)) for k in ("F", "B", "W", "O")),
+                report.planned_s * 1e3, measured, ratio, path)
+
+
+def _ms(values: tuple[float, ...]) -> str:
+    return "[" + " ".join(f"{v * 1e3:.2f}" for v in values) + "]"
 
 
 def _continues_a_record(runner: Runner, args: argparse.Namespace) -> bool:

@@ -23,7 +23,7 @@ from ds_recycle.resilience.handler import FailureHandler
 from ds_recycle.resilience.world import World
 from ds_recycle.runtime.grid import SurvivorGrid, WorkerMap, survivor_module_grid
 from ds_recycle.train.optim import build_optimizer
-from ds_recycle.train.runner import IterationResult
+from ds_recycle.train.runner import CostReport, IterationResult
 
 __all__ = ["EngineRunner"]
 
@@ -81,6 +81,17 @@ class EngineRunner:
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         return self.engine.gather_final_state()
+
+    def measured_costs(self) -> CostReport | None:
+        from ds_recycle.plan.simulator import simulate
+
+        costs = self.engine.measured_costs()
+        if costs is None:
+            return None
+        plan = self.engine.plan
+        planned = simulate(plan.workers, costs, optimizer=plan.optimizer).makespan / plan.iterations
+        clock = self.engine.clock
+        return CostReport(costs, planned, clock.iteration_median() if clock is not None else None)
 
     def save_checkpoint(self, directory: str, next_iteration: int) -> None:
         if self.handler is None:

@@ -13,8 +13,9 @@ from typing import Protocol
 import torch
 
 from ds_recycle.events import Event
+from ds_recycle.plan.costs import CostModel
 
-__all__ = ["IterationResult", "Runner"]
+__all__ = ["CostReport", "IterationResult", "Runner"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,18 @@ class IterationResult:
     """Micro-batches processed, at some stage, by a worker of another pipeline."""
     events: tuple[Event, ...] = field(default_factory=tuple)
     """Failures, agreements, plan switches, rejoins... that happened in this iteration (:mod:`ds_recycle.events`)."""
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """The costs a job measured, and how the plan it runs fares under them."""
+
+    costs: CostModel
+    """Per stage, seconds (:mod:`ds_recycle.engine.op_clock`)."""
+    planned_s: float
+    """The plan's time per iteration under :attr:`costs` (the planner's simulator)."""
+    measured_s: float | None
+    """The median wall time per iteration this worker measured (None: none complete yet)."""
 
 
 class Runner(Protocol):
@@ -57,6 +70,10 @@ class Runner(Protocol):
 
     def load_checkpoint(self, directory: str) -> int | None:
         """Load the latest checkpoint in ``directory``; the iteration to resume at, or ``None`` if there is none."""
+        ...
+
+    def measured_costs(self) -> CostReport | None:
+        """The costs the job measured (every rank calls it at the same point); None where nothing is measured."""
         ...
 
     def close(self) -> None:

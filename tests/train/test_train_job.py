@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from ds_recycle.plan.costs import CostModel
 from tests.harness import REPO, launch, run
 
 CONFIG = str(REPO / "configs" / "gpt_cpu_2x2.json")
@@ -42,10 +44,17 @@ def test_process_count_must_match_topology() -> None:
 @pytest.mark.parametrize("engine", ["vanilla", "recycle"])
 def test_2x2_trains_12_iterations_with_falling_loss(engine: str, tmp_path: Path) -> None:
     """The default config learns: 12 iterations take the loss from ln(256) to below 4 (the last five's mean)."""
-    metrics = tmp_path / "m.jsonl"
+    metrics, costs = tmp_path / "m.jsonl", tmp_path / "costs.json"
     extra = ["--vanilla"] if engine == "vanilla" else []
-    job = launch(4, ["--deepspeed_config", CONFIG, "--steps", "12", "--metrics", str(metrics), *extra], timeout=280)
+    job = launch(4, ["--deepspeed_config", CONFIG, "--steps", "12", "--metrics", str(metrics),
+                     "--costs-out", str(costs), *extra], timeout=280)
     assert job.returncode == 0, job.output[-4000:]
+    if engine == "recycle":  # the job timed itself: the planner reads the file as a costs file
+        measured = CostModel.from_file(costs)
+        assert measured.stages == 2 and min(measured.F + measured.B + measured.W + measured.O) > 0, measured
+        assert re.search(r"the plan's iteration under them [\d.]+ ms, measured [\d.]+ ms", job.output), job.output[-3000:]
+    else:
+        assert not costs.exists() and "no costs measured" in job.output
     records = job.metrics(metrics)
     assert [r["iter"] for r in records] == list(range(12))
     losses = [r["loss"] for r in records]

@@ -1,0 +1,79 @@
+"""Each worker times its own F, B, W and optimizer step, so that a job can hand the planner its own costs.
+
+:class:`OpClock` keeps, for the last ``window`` iterations, the wall time of each compute instruction the worker
+ran, by kind: ``F`` (a micro-batch's forward), ``B`` (input gradients), ``W`` (weight gradients), ``BW`` (a fused
+backward, 1F1B) and ``O`` (the optimizer step with its gradient all-reduce), and the iteration's wall time.
+Reading ``time.perf_counter`` around an instruction that already ran to completion costs two calls; the clock
+therefore runs on CPU devices only, where an instruction's wall time is its compute time (on a GPU an
+instruction returns once its kernels are queued, and timing it would need a synchronisation the engine does not
+otherwise make: not measured there yet).
+
+:meth:`OpClock.medians` gives the medians per kind; :func:`stage_costs` turns every worker's medians, summed over
+the members with their counts, into a :class:`~ds_recycle.plan.costs.CostModel` (a stage's value is the mean of
+its replicas' medians; a fused backward with no separate B and W counts as half each).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+
+import torch
+
+from ds_recycle.plan.costs import CostModel
+
+__all__ = ["KINDS", "OpClock", "stage_costs"]
+
+KINDS = ("F", "B", "W", "BW", "O")
+"""The kinds timed, in the order of the rows :meth:`OpClock.as_row` writes."""
+
+
+class OpClock:
+    """Wall times of this worker's compute instructions over the last ``window`` iterations."""
+
+    def __init__(self, window: int = 20) -> None:
+        if window < 1:
+            raise ValueError(f"OpClock(window={window}): keep at least one iteration")
+        self._done: deque[dict[str, list[float]]] = deque(maxlen=window)
+        self._now: dict[str, list[float]] = defaultdict(list)
+        self._iterations: deque[float] = deque(maxlen=window)
+
+    def record(self, kind: str, seconds: float) -> None:
+        self._now[kind].append(seconds)
+
+    def end_iteration(self, seconds: float | None) -> None:
+        """Close the iteration that took ``seconds`` (None: its time is not one iteration's, e.g. a repaired one)."""
+        self._done.append(dict(self._now))
+        self._now = defaultdict(list)
+        if seconds is not None:
+            self._iterations.append(seconds)
+
+    def medians(self) -> dict[str, float]:
+        """Median seconds per instruction of each kind timed in the window."""
+        pooled: dict[str, list[float]] = defaultdict(list)
+        for iteration in self._done:
+            for kind, values in iteration.items():
+                pooled[kind].extend(values)
+        return {kind: statistics.median(values) for kind, values in pooled.items() if values}
+
+    def iteration_median(self) -> float | None:
+        """Median wall seconds of the iterations in the window."""
+        return statistics.median(self._iterations) if self._iterations else None
+
+    def as_row(self) -> torch.Tensor:
+        """``[median, count]`` per kind of :data:`KINDS` (count 1 where measured), for a sum over the members."""
+        medians = self.medians()
+        return torch.tensor([[medians.get(k, 0.0), 1.0 if k in medians else 0.0] for k in KINDS],
+                            dtype=torch.float64)
+
+
+def stage_costs(rows: torch.Tensor, comm: float = 0.0) -> CostModel | None:
+    """The costs per stage from ``rows[stage, kind] = (sum of medians, replicas measured)``; None when a stage has
+    no forward measured (no worker of it timed anything yet)."""
+    sums, counts = rows[..., 0], rows[..., 1]
+    if bool((counts[:, KINDS.index("F")] == 0).any()):
+        return None
+    mean = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums)).tolist()
+    f, b, w, bw, o = (KINDS.index(k) for k in KINDS)
+    per_stage = [(r[f], r[b] if r[b] else r[bw] / 2, r[w] if r[w] else r[bw] / 2, r[o]) for r in mean]
+    return CostModel(F=tuple(s[0] for s in per_stage), B=tuple(s[1] for s in per_stage),
+                     W=tuple(s[2] for s in per_stage), O=tuple(s[3] for s in per_stage), comm=comm)

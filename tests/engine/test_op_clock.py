@@ -1,0 +1,45 @@
+"""The per-worker clock of F, B, W and O, and the costs per stage made from every worker's medians."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_recycle.engine.op_clock import KINDS, OpClock, stage_costs
+
+
+def test_medians_over_the_window_and_the_repaired_iteration_left_out() -> None:
+    clock = OpClock(window=2)
+    for f, seconds in [(9.0, 90.0), (1.0, 10.0), (3.0, None)]:
+        clock.record("F", f)
+        clock.record("F", f + 1)
+        clock.end_iteration(seconds)
+    assert clock.medians() == {"F": 2.5}, "only the last two iterations' four forwards"
+    assert clock.iteration_median() == 50.0, "the repaired iteration's time (None) is not an iteration's"
+
+
+def test_stage_costs_average_replicas_and_split_a_fused_backward() -> None:
+    rows = torch.zeros(2, len(KINDS), 2, dtype=torch.float64)
+    first, second = OpClock(), OpClock()
+    for kind, value in (("F", 1.0), ("B", 2.0), ("W", 3.0), ("O", 4.0)):
+        first.record(kind, value)
+    second.record("F", 2.0)
+    second.record("BW", 6.0)
+    first.end_iteration(1.0)
+    second.end_iteration(1.0)
+    rows[0] += first.as_row()
+    rows[0] += first.as_row()  # two replicas of stage 0 measured the same
+    rows[1] += second.as_row()
+    costs = stage_costs(rows, comm=0.5)
+    assert costs is not None
+    assert (costs.F, costs.B, costs.W, costs.O, costs.comm) == ((1.0, 2.0), (2.0, 3.0), (3.0, 3.0), (4.0, 0.0), 0.5)
+
+
+def test_a_stage_without_a_forward_gives_no_costs() -> None:
+    rows = torch.zeros(2, len(KINDS), 2, dtype=torch.float64)
+    clock = OpClock()
+    clock.record("F", 1.0)
+    clock.end_iteration(1.0)
+    rows[0] += clock.as_row()
+    assert stage_costs(rows) is None
+    with pytest.raises(ValueError, match="window=0"):
+        OpClock(window=0)
