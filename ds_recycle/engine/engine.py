@@ -628,6 +628,9 @@ class RecyclePipelineEngine(PipelineEngine):
             return None
         if isinstance(cmd, ins.BackwardInput):
             return "BW" if cmd.kwargs.get("weights") else "B"
+        if isinstance(cmd, ins.BackwardWeight):  # after a fused backward, W only frees the buffer: not a W
+            slot = self.slots.get(cmd.kwargs["buffer_id"])
+            return "W" if slot is not None and slot.weight_work is not None and slot.weight_work.passes else None
         return _TIMED.get(type(cmd))
 
     def measured_costs(self) -> CostModel | None:
@@ -842,5 +845,5 @@ for _name in surface.REFUSED:  # DeepSpeed's calls that would be silently wrong 
     setattr(RecyclePipelineEngine, _name, surface.refusal(_name))
 
 
-_TIMED: dict[type, str] = {ins.ForwardMicroBatch: "F", ins.BackwardWeight: "W", ins.StaggeredOptimizerStep: "O"}
-"""Instruction types :attr:`RecyclePipelineEngine.clock` times, by cost kind (BackwardInput: see ``_timed_kind``)."""
+_TIMED: dict[type, str] = {ins.ForwardMicroBatch: "F", ins.StaggeredOptimizerStep: "O"}
+"""Instruction types :attr:`RecyclePipelineEngine.clock` times, by cost kind (B and W: see ``_timed_kind``)."""
