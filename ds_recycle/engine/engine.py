@@ -188,9 +188,9 @@ class RecyclePipelineEngine(PipelineEngine):
         self.repair: Repair | None = None
         """When set, the next ``train_batch`` runs only what is left of the interrupted iteration."""
         self.op_seconds: dict[str, list[float]] | None = None
+        """When a dict, each executed instruction's wall time is appended under its class name."""
         self.clock: OpClock | None = OpClock() if self.device.type == "cpu" else None
         """This worker's F, B, W and O wall times (:mod:`ds_recycle.engine.op_clock`; CPU devices only)."""
-        """When a dict, each executed instruction's wall time is appended under its class name."""
         self._calls = 0
         self.rng_seed = 0
         """Base of the per-micro-batch RNG seeds (``recycle.rng_seed``; :mod:`ds_recycle.engine.rng`)."""
