@@ -83,6 +83,8 @@ class Case:
     """Outside SIGKILLs: (worker, after the reporter printed this step)."""
     launcher: str = "ds-recycle"
     """``ds-recycle`` (failure handling on) or ``torchrun`` (the ds_recycle engine without it)."""
+    slow: tuple[tuple[Worker, int, float], ...] = ()
+    """Slow workers (fail-slow): (worker, from this step on, factor)."""
 
     @property
     def failed(self) -> tuple[Worker, ...]:
@@ -248,7 +250,8 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
     config = _configs(work, case, stages, pipelines, m, costs_file)
     nproc = stages * pipelines - len(case.absent)
     args = [str(SCRIPT if case.engine == "vanilla" else work / "train.py"), "--deepspeed_config", str(config),
-            "--costs", str(profile_file), "--stages", str(stages), "--steps", str(steps), "--warmup", str(warmup)]
+            "--costs", str(profile_file), "--stages", str(stages), "--steps", str(steps), "--warmup", str(warmup),
+            *(f"--slow={d}:{s}@{at}*{factor}" for (d, s), at, factor in case.slow)]
     if case.engine == "vanilla":
         cmd = [str(VENV_BIN / "deepspeed"), "--num_accelerators", str(nproc), "--master_port", str(free_port()),
                *args]
@@ -292,6 +295,8 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
     if case.killed:  # time the steps after the last kill's iteration and the one after it
         last = max([it for _, it, _ in case.faults] + [after + 1 for _, after in case.sigkill])
         first_timed = max(warmup, last + 2)
+    if case.slow:  # time the steps from the first slow one on
+        first_timed = max(first_timed, *(at for _, at, _ in case.slow))
     order = sorted(stamps)
     if order:
         res.startup_s = stamps[order[0]] - started

@@ -19,6 +19,9 @@ as it would be on an accelerator.
 
 Sleeps are wall-clock (``time.sleep`` gives up the core), so a worker in a bubble is idle. The real work of
 the layer (an add of a ``[*, width]`` tensor) is microseconds; the sleep is not shortened by it.
+
+A slow accelerator (fail-slow: throttling, a noisy neighbour) is emulated by :func:`set_slowdown`: every sleep of
+this process's layers from then on is ``factor`` times longer, whatever micro-batch it runs.
 """
 from __future__ import annotations
 
@@ -29,7 +32,21 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OpCost", "EmulatedLayer"]
+__all__ = ["OpCost", "EmulatedLayer", "set_slowdown"]
+
+_SLOWDOWN = [1.0]
+
+
+def set_slowdown(factor: float) -> None:
+    """Make this process's emulated accelerator ``factor`` times slower (1.0: its normal speed)."""
+    if not factor >= 1.0:
+        raise ValueError(f"slowdown factor {factor}: must be at least 1")
+    _SLOWDOWN[0] = float(factor)
+
+
+def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds * _SLOWDOWN[0])
 
 
 @dataclass(frozen=True)
@@ -53,14 +70,12 @@ class _InputPath(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, f: float, b: float) -> torch.Tensor:  # type: ignore[override]
         ctx.b = b
-        if f > 0:
-            time.sleep(f)
+        _sleep(f)
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        if ctx.b > 0:
-            time.sleep(ctx.b)
+        _sleep(ctx.b)
         return grad, None, None
 
 
@@ -74,8 +89,7 @@ class _WeightPath(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        if ctx.w > 0:
-            time.sleep(ctx.w)
+        _sleep(ctx.w)
         return grad, None
 
 

@@ -21,6 +21,7 @@ import time
 import deepspeed
 import torch.distributed as dist
 
+from benchmarks.emulated.layers import set_slowdown
 from benchmarks.emulated.model import build
 
 
@@ -32,9 +33,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="steps before the CPU time is counted")
     parser.add_argument("--cprofile", default=None,
                         help="write each rank's cProfile (main-thread CPU time) over the timed steps to DIR/rank<R>.prof")
+    parser.add_argument("--slow", action="append", default=[], metavar="P:S@K*F",
+                        help="from step K on, the worker of pipeline P at stage S runs F times slower (repeatable)")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
+
+
+def parse_slow(text: str) -> tuple[tuple[int, int], int, float]:
+    """``P:S@K*F`` -> ``((P, S), K, F)``."""
+    worker, _, rest = text.partition("@")
+    step, _, factor = rest.partition("*")
+    pipeline, _, stage = worker.partition(":")
+    return (int(pipeline), int(stage)), int(step), float(factor)
 
 
 def build_module(args: argparse.Namespace) -> tuple:
@@ -61,6 +72,8 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, model_parameters=params, training_data=dataset)
 
     reporter = getattr(engine, "is_reporter", lambda: engine.global_rank == 0)
+    here = (engine.grid.data_parallel_id, engine.stage_id)
+    slow = [(step, factor) for (worker, step, factor) in map(parse_slow, args.slow) if worker == here]
     cpu0 = time.process_time()
     profiler = cProfile.Profile(time.thread_time) if args.cprofile else None  # main-thread CPU, not wall
     for step in range(args.steps):
@@ -68,6 +81,9 @@ def main() -> None:
             cpu0 = time.process_time()
             if profiler is not None:
                 profiler.enable()
+        for at, factor in slow:
+            if step == at:
+                set_slowdown(factor)
         loss = engine.train_batch()
         stamp = time.time()
         for event in getattr(engine, "recycle_events", list)():
