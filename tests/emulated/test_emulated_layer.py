@@ -136,3 +136,15 @@ def test_profile_keeps_published_ratios() -> None:
     assert all(w < b for w, b in zip(p["W"], p["B"]))
     with pytest.raises(ValueError, match="unknown"):
         profile("gpt2", 4, 4)
+
+
+def test_a_slow_accelerator_sleeps_factor_times_longer(sleeps: list[float]) -> None:
+    layer, x, g = _layer_and_input()
+    try:
+        layers.set_slowdown(2.0)
+        layer(x).backward(g)
+    finally:
+        layers.set_slowdown(1.0)
+    assert sorted(sleeps) == pytest.approx(sorted([2 * F, 2 * B, 2 * W]))
+    with pytest.raises(ValueError, match="at least 1"):
+        layers.set_slowdown(0.5)
