@@ -4,7 +4,8 @@
 
 A worker accumulates the weight gradients of its own pipeline's micro-batches into one row, in the order their W
 (or fused backward) runs; a run with failures equals the failure-free run bit for bit only if that order gives the
-same floating-point sum. This sweep plans shapes 2x2..4x4, M = S and 2S, the three schedules, uniform and random
+same floating-point sum. This sweep asks the plan cache the failure handler uses (``PlanCache``, failure sets normalised and
+relabelled) for shapes 2x2..4x4, M = S and 2S, the three schedules, uniform and random
 costs, no, one and some pairs of failed workers, and counts the plans in which some worker's own W ops are not in
 index order, with a few examples. No training runs.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_recycle.plan import CostModel, make_plan  # noqa: E402
+from ds_recycle.plan import CostModel, PlanCache  # noqa: E402
 from ds_recycle.plan.errors import PlanError  # noqa: E402
 from ds_recycle.plan.ops import OpKind  # noqa: E402
 
@@ -34,9 +35,10 @@ def main() -> int:
                     *(tuple(rng.uniform(lo, hi) for _ in range(stages)) for lo, hi in
                       ((0.5, 2.0), (0.5, 2.0), (0.3, 1.5), (0.0, 1.0))), comm=0.05)
                 for schedule in ("adaptive", "zb-h1", "1f1b"):
+                    cache = PlanCache(stages, pipelines, m, costs, schedule=schedule)  # what the engine runs
                     for failed in failure_sets:
                         try:
-                            plan = make_plan(stages, pipelines, m, costs, frozenset(failed), schedule=schedule)
+                            plan = cache.get(failed)
                         except (PlanError, ValueError):
                             continue
                         total += 1
