@@ -48,7 +48,7 @@ from ds_recycle.engine.backward import (
 )
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
-from ds_recycle.engine.op_clock import KINDS, OpClock, stage_costs
+from ds_recycle.engine.op_clock import KINDS, OpClock, stage_costs, timed_kind
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
 from ds_recycle.engine.position import IterationProgress, KeptWork, Position
@@ -626,12 +626,12 @@ class RecyclePipelineEngine(PipelineEngine):
         """The cost kind :attr:`clock` files a training instruction under (None: not timed)."""
         if self.clock is None or self._evaluating is not None:
             return None
-        if isinstance(cmd, ins.BackwardInput):
-            return "BW" if cmd.kwargs.get("weights") else "B"
-        if isinstance(cmd, ins.BackwardWeight):  # after a fused backward, W only frees the buffer: not a W
-            slot = self.slots.get(cmd.kwargs["buffer_id"])
-            return "W" if slot is not None and slot.weight_work is not None and slot.weight_work.passes else None
-        return _TIMED.get(type(cmd))
+        return timed_kind(cmd, self._weights_pending)
+
+    def _weights_pending(self, buffer_id: int) -> bool:
+        """Whether the micro-batch in ``buffer_id`` still has weight-gradient work (its W is a real W)."""
+        slot = self.slots.get(buffer_id)
+        return slot is not None and slot.weight_work is not None and bool(slot.weight_work.passes)
 
     def measured_costs(self) -> CostModel | None:
         """The costs per stage this job measured (every member's :attr:`clock`, summed over the members: a
@@ -843,7 +843,3 @@ class RecyclePipelineEngine(PipelineEngine):
 
 for _name in surface.REFUSED:  # DeepSpeed's calls that would be silently wrong here raise at the call
     setattr(RecyclePipelineEngine, _name, surface.refusal(_name))
-
-
-_TIMED: dict[type, str] = {ins.ForwardMicroBatch: "F", ins.StaggeredOptimizerStep: "O"}
-"""Instruction types :attr:`RecyclePipelineEngine.clock` times, by cost kind (B and W: see ``_timed_kind``)."""

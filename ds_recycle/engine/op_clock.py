@@ -16,15 +16,32 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from ds_recycle.engine import instructions as ins
 from ds_recycle.plan.costs import CostModel
 
-__all__ = ["KINDS", "OpClock", "stage_costs"]
+__all__ = ["KINDS", "OpClock", "stage_costs", "timed_kind"]
 
 KINDS = ("F", "B", "W", "BW", "O")
 """The kinds timed, in the order of the rows :meth:`OpClock.as_row` writes."""
+
+
+_TIMED: dict[type, str] = {ins.ForwardMicroBatch: "F", ins.StaggeredOptimizerStep: "O"}
+
+
+def timed_kind(cmd: Any, weights_pending: Callable[[int], bool]) -> str | None:
+    """The kind a training instruction is timed as, or None: a forward ``F``, an optimizer step ``O``, a
+    ``BackwardInput`` ``B`` (``BW`` when it runs the fused backward), a ``BackwardWeight`` ``W`` unless its buffer
+    has no weight work left (after a fused backward it only frees the buffer)."""
+    if isinstance(cmd, ins.BackwardInput):
+        return "BW" if cmd.kwargs.get("weights") else "B"
+    if isinstance(cmd, ins.BackwardWeight):
+        return "W" if weights_pending(cmd.kwargs["buffer_id"]) else None
+    return _TIMED.get(type(cmd))
 
 
 class OpClock:
