@@ -66,14 +66,15 @@ def tiny_config(tmp: Path, name: str, stages: int, pipelines: int = 2, **recycle
     return path
 
 
-def assert_same_model(a: Path, b: Path, atol: float = 0.0) -> None:
-    """The two final-parameter files hold the same model: what ``ds-recycle compare a b --rtol 1e-5`` calls a
-    MATCH, checked in this process (``tests/foundation/test_compare.py`` runs the command itself)."""
+def assert_same_model(a: Path, b: Path, atol: float = 0.0, rtol: float = 0.0) -> None:
+    """The two final-parameter files hold the same model, bit for bit unless ``rtol``/``atol`` say otherwise (what
+    ``ds-recycle compare a b --rtol 0`` calls a MATCH), checked in this process (``tests/foundation/test_compare.py``
+    runs the command itself)."""
     import torch
 
     from ds_recycle.tools.compare import compare_state_dicts
 
-    diffs = compare_state_dicts(torch.load(a, weights_only=True), torch.load(b, weights_only=True), 1e-5, atol)
+    diffs = compare_state_dicts(torch.load(a, weights_only=True), torch.load(b, weights_only=True), rtol, atol)
     bad = [d for d in diffs if not d.ok]
     assert diffs and not bad, "models differ: " + "; ".join(
         f"{d.name} max abs {d.max_abs:.3e} rel {d.max_rel:.3e} {d.problem}" for d in bad[:5])

@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from types import MethodType
 from typing import Any, Protocol, cast
 
@@ -55,6 +56,7 @@ from ds_recycle.engine.position import IterationProgress, KeptWork, Position
 from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.recompute import use_recompute
 from ds_recycle.engine.rng import micro_batch_rng
+from ds_recycle.engine.row_order import RowOrder
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.stage_state import StageState
 from ds_recycle.engine.tied import reduce_tied, tied_members, tied_weights
@@ -90,6 +92,7 @@ class _Slot:
     input_grad: Payload | None = None
     """Gradient of ``inputs``, in the same form as ``grad_output``."""
     weight_work: WeightGradWork | None = None
+    """What W runs; None once the weight gradient went to the row order (a fused B+W submits it itself)."""
 
 
 def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset[int], bool]:
@@ -113,6 +116,10 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to_device(v, device) for v in value)
     return value
+
+
+def _nothing() -> None:
+    """An accumulation already done (its weight gradient went straight into its row)."""
 
 
 def rerouted_pipelines(plan: PlanLike, stage: int) -> frozenset[int]:
@@ -166,6 +173,8 @@ class RecyclePipelineEngine(PipelineEngine):
         """Every transfer and collective of the engine (:mod:`ds_recycle.engine.transport`)."""
         self.channel = PeerChannel(self.transport, self.workers.pipelines, self.micro_batches)
         self.stepper = self._make_stepper()
+        self.row_order = RowOrder(lambda pipeline: pipeline not in self.stepper.rerouted_pipelines)
+        """Own rows add their weight gradients in micro-batch order (:mod:`ds_recycle.engine.row_order`)."""
         self.reporter_rank = min(self.workers.stage_ranks(self.num_stages - 1))
         self.driver: Driver = LocalDriver(self)
         """Runs the entry points: directly, or through the failure handler (:mod:`ds_recycle.engine.driver`)."""
@@ -707,11 +716,18 @@ class RecyclePipelineEngine(PipelineEngine):
                                self.stage_id, why)
                 self.capture.fused = True
         if weights or self.capture.fused:
-            with self.stepper.accumulating_for(*micro_batch):
-                slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture,
-                                                 plain=self.capture.fused)
-            slot.weight_work = WeightGradWork([])
-            self.progress.w_done.add(slot.mb)
+            accumulate: Callable[[], None] = _nothing
+            if self.row_order.ready(slot.mb, self.progress.w_done):
+                with self.stepper.accumulating_for(*slot.mb):
+                    slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture,
+                                                     plain=self.capture.fused)
+            else:  # its weight gradient waits for its turn in the row (ds_recycle.engine.row_order)
+                with self.stepper.setting_aside() as aside:
+                    slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture,
+                                                     plain=self.capture.fused)
+                accumulate = partial(self.stepper.add_to_row, slot.mb, aside)
+            slot.weight_work = None
+            self.row_order.submit(slot.mb, accumulate, self.progress.w_done)
         if slot.captured is not None:  # its outputs carry hooks that reference it: a cycle through the autograd
             slot.captured.clear()  # graph that Python's GC cannot free (it held each iteration's graph)
         slot.grad_output = slot.output = slot.captured = None
@@ -722,14 +738,20 @@ class RecyclePipelineEngine(PipelineEngine):
             if slot.captured is not None:  # the hook cycle would otherwise keep the slice's graph alive
                 slot.captured.clear()
         self.slots = {}
+        self.row_order.drop()
 
     def _exec_backward_weight(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self.slots.pop(buffer_id)
-        assert slot.weight_work is not None, f"W of {micro_batch} before its B"
-        if slot.weight_work.passes:
-            with self.stepper.accumulating_for(*micro_batch):
-                slot.weight_work.run()
-        self.progress.w_done.add(slot.mb)
+        work = slot.weight_work
+        if work is None:  # its B ran fused and submitted the weight gradient
+            assert slot.output is None, f"W of {micro_batch} before its B"
+            return
+
+        def accumulate() -> None:
+            if work.passes:
+                with self.stepper.accumulating_for(*slot.mb):
+                    work.run()
+        self.row_order.submit(slot.mb, accumulate, self.progress.w_done)
 
     # ------------------------------------------------------------------ communication
     def _exec_send_activation_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
@@ -793,6 +815,7 @@ class RecyclePipelineEngine(PipelineEngine):
 
     # ------------------------------------------------------------------ optimizer
     def _exec_staggered_optimizer_step(self, synchronous: bool) -> None:
+        self.row_order.flush(self.progress.w_done, f"stage {self.stage_id}, iteration {self.iteration}")
         loss_sum = self._loss_sum if self.is_last_stage() else None
         if self.is_last_stage() and loss_sum is None:
             loss_sum = torch.zeros(())

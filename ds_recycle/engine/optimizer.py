@@ -225,23 +225,40 @@ class StaggeredOptimizer:
 
     @contextlib.contextmanager
     def _accumulating_fp32(self, pipeline: int, microbatch: int) -> Iterator[None]:
+        with self.setting_aside() as grads:
+            yield
+        self.add_to_row((pipeline, microbatch), grads)
+
+    @contextlib.contextmanager
+    def setting_aside(self) -> Iterator[list[torch.Tensor | None]]:
+        """Inside, a backward's weight gradient stays out of every row: on exit the yielded list holds it, one
+        entry per parameter (widened to fp32 in bf16), for :meth:`add_to_row` in its turn
+        (:mod:`ds_recycle.engine.row_order`)."""
+        kept = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
+        grads: list[torch.Tensor | None] = []
         try:
-            yield
+            yield grads
         finally:
-            if self._banked:
-                row = self._bank.setdefault(self._key(pipeline, microbatch), [None] * len(self.params))
-            else:
-                row = [h.grad for h in self.holders]
-            for n, p in enumerate(self.params):
-                if p.grad is not None:
-                    wide, have = p.grad.detach().float(), row[n]
-                    row[n] = wide if have is None else have.add_(wide)
-                    p.grad = None
-            if not self._banked:
-                for h, g in zip(self.holders, row):
-                    h.grad = g
+            for p, have in zip(self.params, kept):
+                g = p.grad
+                grads.append(None if g is None else g.detach().float() if self.master is not None else g)
+                p.grad = have
+
+    def add_to_row(self, micro_batch: tuple[int, int], grads: list[torch.Tensor | None]) -> None:
+        """Add one micro-batch's weight gradient (:meth:`setting_aside`) to its row: the same additions, in the
+        same precision, as accumulating it there directly."""
+        banked = self._banked
+        row = (self._bank.setdefault(self._key(*micro_batch), [None] * len(self.params)) if banked
+               else [h.grad for h in self.holders])
+        for n, g in enumerate(grads):
+            if g is not None:
+                have = row[n]
+                row[n] = g if have is None else have.add_(g)
+        if not banked:
+            for h, g in zip(self.holders, row):
+                h.grad = g
 
     def partial_rows(self) -> dict[RowKey, list[torch.Tensor | None]]:
         """The weight gradients accumulated so far in this iteration, per row (not consumed)."""
