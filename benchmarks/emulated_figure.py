@@ -85,6 +85,10 @@ class Case:
     """``ds-recycle`` (failure handling on) or ``torchrun`` (the ds_recycle engine without it)."""
     slow: tuple[tuple[Worker, int, float], ...] = ()
     """Slow workers (fail-slow): (worker, from this step on, factor)."""
+    jitter: float = 0.0
+    """Timing noise: each emulated op time scaled by a factor from [1 - jitter, 1 + jitter]."""
+    fail_slow: bool = True
+    """ds_recycle's detection of slow workers and re-planning around them (``recycle.fail_slow.enabled``)."""
 
     @property
     def failed(self) -> tuple[Worker, ...]:
@@ -210,6 +214,10 @@ class Result:
     """CPU of the launcher (its store) and the workers over the timed steps, a fraction of all cores."""
     ok: bool = True
     note: str = ""
+    stamps: dict[int, float] = field(default_factory=dict)
+    """Wall clock at the end of each step, by step."""
+    events: list[Any] = field(default_factory=list)
+    """ds_recycle's events, as the reporter printed them."""
 
     @property
     def per_iteration(self) -> float:
@@ -238,7 +246,8 @@ def _configs(work: Path, case: Case, stages: int, pipelines: int, m: int, costs_
         base["recycle"] = {"stages": stages, "pipelines": pipelines, "schedule": case.schedule,
                            "costs_file": str(costs_file), "heartbeat_stale_s": 60.0,
                            "assume_failed": [list(w) for w in case.absent],
-                           "faults": [{"worker": list(w), "iteration": it, "phase": ph} for w, it, ph in case.faults]}
+                           "faults": [{"worker": list(w), "iteration": it, "phase": ph} for w, it, ph in case.faults],
+                           "fail_slow": {"enabled": case.fail_slow}}
     path = work / "ds.json"
     path.write_text(json.dumps(base, indent=1))
     return path
@@ -251,7 +260,8 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
     nproc = stages * pipelines - len(case.absent)
     args = [str(SCRIPT if case.engine == "vanilla" else work / "train.py"), "--deepspeed_config", str(config),
             "--costs", str(profile_file), "--stages", str(stages), "--steps", str(steps), "--warmup", str(warmup),
-            *(f"--slow={d}:{s}@{at}*{factor}" for (d, s), at, factor in case.slow)]
+            *(f"--slow={d}:{s}@{at}*{factor}" for (d, s), at, factor in case.slow),
+            *([f"--jitter={case.jitter}"] if case.jitter else [])]
     if case.engine == "vanilla":
         cmd = [str(VENV_BIN / "deepspeed"), "--num_accelerators", str(nproc), "--master_port", str(free_port()),
                *args]
@@ -288,6 +298,7 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
         res.cpu_s += float(cpu)
         res.cpu_iterations = max(res.cpu_iterations, int(its))
     events = [parse_event(json.loads(e)) for e in _EVENT.findall(log)]
+    res.stamps, res.events = stamps, events
     recovered = [e for e in events if isinstance(e, RecoveredEvent)]
     if recovered:
         res.recovery_s = max(e.failure_to_full_iteration_s for e in recovered)

@@ -1,21 +1,23 @@
 """Fail-slow on emulated accelerators: one worker runs slower from an iteration on; each system against its own
 failure-free run.
 
-    .venv/bin/python benchmarks/fail_slow.py [--shape 4x4] [--microbatches 8] [--factors 2] [--from-step 4] \
-        [--steps 12] [--out FILE]
+    .venv/bin/python benchmarks/fail_slow.py [--shape 4x4] [--microbatches 8] [--factors 1.5,2,3] \
+        [--slow-workers 1:1[,2:2]] [--from-step 4] [--steps 24] [--out FILE]
 
 EMULATED ACCELERATORS (``benchmarks/emulated/``: F, B, W sleep the GPT-3 2.7B profile's time; a slow worker's
 sleeps are ``factor`` times longer from ``--from-step`` on, :func:`benchmarks.emulated.layers.set_slowdown`). Cases
-per factor, run one after the other: vanilla DeepSpeed (1F1B) failure-free and with the slow worker (pipeline 1,
-stage 1), ds_recycle (adaptive, under ``ds-recycle launch``) failure-free and with it. Reported: the median time
-per iteration from the first slow step on, the slowdowns S0 (vanilla) and S1 (ds_recycle) against their own
-failure-free runs, and the share of the slowdown mitigated, (S0 - S1) / (S0 - 1).
+per factor, run one after the other: vanilla DeepSpeed (1F1B) failure-free and with the slow worker(s),
+ds_recycle (adaptive, under ``ds-recycle launch``) failure-free, with them, and with them but its fail-slow
+detection off. Reported: the median time per iteration, the slowdowns S0 (vanilla) and S1 (ds_recycle, once its
+plan assumes the slow worker) against their own failure-free runs, the share of the slowdown mitigated,
+(S0 - S1) / (S0 - 1), how many iterations detection took, the factors it found, and what the planner predicted.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +26,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.emulated.profiles import profile, write_profile  # noqa: E402
-from benchmarks.emulated_figure import DEFAULT_F_MS, Case, f_ms_for, run_case  # noqa: E402
+from benchmarks.emulated_figure import DEFAULT_F_MS, Case, Result, f_ms_for, run_case  # noqa: E402
+from ds_recycle.events import PlanSwitchEvent  # noqa: E402
+from ds_recycle.plan import CostModel, PlanCache, make_plan  # noqa: E402
+
+
+def _median_between(res: Result, first: int, last: int | None = None) -> float:
+    """Median seconds of the steps ``first..last`` (a step's time: from the previous step's end to its end)."""
+    st = res.stamps
+    times = [st[k] - st[k - 1] for k in sorted(st) if k >= max(first, 1) and (last is None or k <= last)
+             and k - 1 in st]
+    return statistics.median(times) if times else float("nan")
+
+
+def _switch_step(res: Result, after: int) -> int | None:
+    """The first step run under a plan that assumes a slow worker (None: no such plan switch)."""
+    its = [e.iteration for e in res.events if isinstance(e, PlanSwitchEvent) and e.slow and e.iteration is not None
+           and e.iteration >= after]
+    return min(its) if its else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,46 +51,70 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="4x4")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--factors", default="2", help="comma-separated slowdown factors")
+    p.add_argument("--slow-workers", default="1:1", help="comma-separated P:S of the workers that turn slow")
     p.add_argument("--from-step", type=int, default=4)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--workdir", default=str(REPO / "runs" / "fail-slow"))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     stages, pipelines = (int(x) for x in args.shape.lower().split("x"))
+    slow_workers = [(int(a) % pipelines, int(b) % stages) for a, b in
+                    (w.split(":") for w in args.slow_workers.split(","))]
     work = Path(args.workdir)
     pfile = write_profile(work / f"profile-{stages}x{pipelines}.json",
                           profile("gpt3-2.7b", stages, pipelines, f_ms_for(DEFAULT_F_MS, stages, pipelines)))
-    slow_worker = (1 % pipelines, 1 % stages)
+    costs = CostModel.from_file(pfile)
     lines = [f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; load at start "
              f"{os.getloadavg()[0]:.1f}",
              f"command: {' '.join(['.venv/bin/python', 'benchmarks/fail_slow.py', *sys.argv[1:]])}",
-             f"EMULATED ACCELERATORS, {stages} x {pipelines}, M = {args.microbatches}, slow worker (pipeline, stage) "
-             f"{slow_worker} from step {args.from_step}; s/iter = median from that step on",
-             f"{'factor':>6} {'vanilla ff':>10} {'vanilla slow':>12} {'S0':>6} {'recycle ff':>10} "
-             f"{'recycle slow':>12} {'S1':>6} {'mitigated':>9}"]
+             f"EMULATED ACCELERATORS, {stages} x {pipelines}, M = {args.microbatches}, slow workers (pipeline, stage) "
+             f"{slow_workers} from step {args.from_step}, {args.steps} steps; s/iter = median step time. vanilla: "
+             "DeepSpeed 1F1B, slow from that step on. ds_recycle adaptive: 'found' = the steps after the plan switch "
+             "that assumes the slow worker(s), 'all' = every slow step (detection included), 'no detect' = "
+             "recycle.fail_slow off; S = slow / failure-free of the same system; mitigated = (S0 - S1) / (S0 - 1) "
+             "with S1 = found; planned = the planner's iteration time with the detected factors / without",
+             f"{'factor':>6} {'van ff':>7} {'van slow':>8} {'S0':>6} {'rec ff':>7} {'found':>7} {'S1':>6} "
+             f"{'S1 all':>6} {'S no det':>8} {'found at':>8} {'factors':>16} {'planned':>7} {'mitigated':>9}"]
     print("\n".join(lines), flush=True)
     for factor in (float(f) for f in args.factors.split(",")):
-        slow = ((slow_worker, args.from_step, factor),)
+        slow = tuple((w, args.from_step, factor) for w in slow_workers)
         cases = {"vanilla ff": Case("vanilla", "vanilla", "1f1b"),
                  "vanilla slow": Case("vanilla slow", "vanilla", "1f1b", slow=slow),
                  "recycle ff": Case("recycle", "recycle"),
-                 "recycle slow": Case("recycle slow", "recycle", slow=slow)}
-        timed: dict[str, float] = {}
+                 "recycle slow": Case("recycle slow", "recycle", slow=slow),
+                 "recycle no detect": Case("recycle slow, no detection", "recycle", slow=slow, fail_slow=False)}
+        res: dict[str, Result] = {}
         for name, case in cases.items():
-            ff = Case(case.name, case.engine, case.schedule, slow=((slow_worker, args.from_step, 1.0),))
-            res = run_case(case if case.slow else ff, stages, pipelines, args.microbatches, args.steps, 2, pfile,
-                           pfile, work / f"x{factor:g}-{name.replace(' ', '-')}")
-            if not res.ok:
-                raise SystemExit(f"{name} at factor {factor}: {res.note}")
-            timed[name] = res.per_iteration
-        s0 = timed["vanilla slow"] / timed["vanilla ff"]
-        s1 = timed["recycle slow"] / timed["recycle ff"]
+            ff = Case(case.name, case.engine, case.schedule, slow=tuple((w, args.from_step, 1.0) for w in slow_workers))
+            res[name] = run_case(case if case.slow else ff, stages, pipelines, args.microbatches, args.steps, 2, pfile,
+                                 pfile, work / f"x{factor:g}-{name.replace(' ', '-')}")
+            if not res[name].ok:
+                raise SystemExit(f"{name} at factor {factor}: {res[name].note}")
+        first = args.from_step + 1
+        van_ff, van_slow = _median_between(res["vanilla ff"], first), _median_between(res["vanilla slow"], first)
+        rec_ff = _median_between(res["recycle ff"], first)
+        switched = _switch_step(res["recycle slow"], args.from_step)
+        found = _median_between(res["recycle slow"], switched + 1) if switched is not None else float("nan")
+        every = _median_between(res["recycle slow"], first)
+        no_detect = _median_between(res["recycle no detect"], first)
+        s0, s1 = van_slow / van_ff, found / rec_ff
         mitigated = (s0 - s1) / (s0 - 1) if s0 > 1 else float("nan")
-        line = (f"{factor:>6g} {timed['vanilla ff']:>10.3f} {timed['vanilla slow']:>12.3f} {s0:>6.3f} "
-                f"{timed['recycle ff']:>10.3f} {timed['recycle slow']:>12.3f} {s1:>6.3f} {mitigated:>9.3f}")
+        assumed = [e.slow for e in res["recycle slow"].events if isinstance(e, PlanSwitchEvent) and e.slow]
+        factors = ",".join(f"{f:g}" for _, _, f in assumed[0]) if assumed else "-"
+        planned = float("nan")
+        if assumed:
+            slow_costs = costs.with_slow({(p_, s_): f for p_, s_, f in assumed[0]})
+            plans = PlanCache(stages, pipelines, args.microbatches, costs)
+            planned = (make_plan(stages, pipelines, args.microbatches, slow_costs).makespan
+                       / plans.time_per_iteration([]))
+        line = (f"{factor:>6g} {van_ff:>7.3f} {van_slow:>8.3f} {s0:>6.3f} {rec_ff:>7.3f} {found:>7.3f} {s1:>6.3f} "
+                f"{every / rec_ff:>6.3f} {no_detect / rec_ff:>8.3f} "
+                f"{'-' if switched is None else switched - args.from_step:>8} {factors:>16} {planned:>7.3f} "
+                f"{mitigated:>9.3f}")
         print(line, flush=True)
         lines.append(line)
+    lines.append("found at: iterations from the first slow step to the first step under the plan that assumes it")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 __all__ = [
     "AgreementEvent", "CheckpointEvent", "Event", "EventError", "FailureEvent", "FallbackEvent", "HostBackEvent", "HostEvent",
     "HostLostEvent", "HostPartitionedEvent", "PlanSwitchEvent", "RecoveredEvent", "RejoinEvent", "ResumedEvent",
-    "RollForwardEvent", "StageLostEvent", "event_kinds", "events_markdown", "events_of", "parse_event",
+    "RollForwardEvent", "SlowWorkerEvent", "StageLostEvent", "event_kinds", "events_markdown", "events_of", "parse_event",
 ]
 
 Pair = tuple[int, int]
@@ -114,14 +114,39 @@ class AgreementEvent(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSwitchEvent(Event):
-    """A new plan runs from this iteration on (after a failure or a rejoin)."""
+    """A new plan runs from this iteration on (after a failure, a rejoin, or a change of a worker's speed)."""
 
     KIND: ClassVar[str] = "plan_switch"
     absent: tuple[Pair, ...] = _doc("the failure set of the new plan")
     rerouted: int = _doc("(stage, micro-batch) pairs per iteration run by a worker of another pipeline")
+    slow: tuple[tuple[int, int, float], ...] = _doc(
+        "the slow workers the plan assumes, `[pipeline, stage, speed factor]` (empty: every live worker normal)", ())
+    iteration: int | None = _doc("the first iteration it runs (None: the repaired one after a failure)", None)
+    measured: bool = _doc("made from the costs the job measured (false: the configured costs)", False)
 
     def describe(self) -> str:
-        return f"plan switch: absent {_jsonable(self.absent)}, {self.rerouted} re-routed micro-batch steps"
+        slow = f", slow {_jsonable(self.slow)}" if self.slow else ""
+        measured = ", measured costs" if self.measured else ""
+        return (f"plan switch: absent {_jsonable(self.absent)}{slow}{measured}, {self.rerouted} re-routed micro-batch "
+                "steps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlowWorkerEvent(Event):
+    """A live worker was found persistently slower than its stage's peers, or faster again (fail-slow)."""
+
+    KIND: ClassVar[str] = "worker_speed"
+    worker: Pair = _doc("the worker")
+    rank: int = _doc("its rank")
+    factor: float = _doc("the speed factor plans assume for it from now on (1.0: normal again)")
+    previous: float = _doc("the factor assumed before")
+    ratio: float = _doc("its measured pace over its stage peers' median (median of the detector's window)")
+    iteration: int = _doc("the iteration boundary at which it was decided")
+
+    def describe(self) -> str:
+        if self.factor == 1.0:
+            return f"worker {_jsonable(self.worker)} is back to normal speed (ratio {self.ratio:.2f})"
+        return f"SLOW: worker {_jsonable(self.worker)} runs {self.ratio:.2f}x its peers' time: planned as {self.factor}x"
 
 
 @dataclass(frozen=True, kw_only=True)

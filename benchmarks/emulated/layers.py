@@ -21,10 +21,13 @@ Sleeps are wall-clock (``time.sleep`` gives up the core), so a worker in a bubbl
 the layer (an add of a ``[*, width]`` tensor) is microseconds; the sleep is not shortened by it.
 
 A slow accelerator (fail-slow: throttling, a noisy neighbour) is emulated by :func:`set_slowdown`: every sleep of
-this process's layers from then on is ``factor`` times longer, whatever micro-batch it runs.
+this process's layers from then on is ``factor`` times longer, whatever micro-batch it runs. Timing noise is
+emulated by :func:`set_jitter`: every sleep is scaled by its own factor drawn uniformly from ``[1 - j, 1 + j]``
+(seeded, so a run's noise can be replayed).
 """
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OpCost", "EmulatedLayer", "set_slowdown"]
+__all__ = ["OpCost", "EmulatedLayer", "set_jitter", "set_slowdown"]
 
 _SLOWDOWN = [1.0]
+_JITTER: list[tuple[float, random.Random]] = []
 
 
 def set_slowdown(factor: float) -> None:
@@ -44,9 +48,21 @@ def set_slowdown(factor: float) -> None:
     _SLOWDOWN[0] = float(factor)
 
 
+def set_jitter(fraction: float, seed: int) -> None:
+    """Scale each of this process's emulated op times by a factor drawn uniformly from ``[1 - fraction,
+    1 + fraction]`` (0: no noise)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"jitter {fraction}: must be in [0, 1)")
+    _JITTER[:] = [(fraction, random.Random(seed))] if fraction else []
+
+
 def _sleep(seconds: float) -> None:
     if seconds > 0:
-        time.sleep(seconds * _SLOWDOWN[0])
+        noise = 1.0
+        if _JITTER:
+            fraction, rng = _JITTER[0]
+            noise = 1.0 + rng.uniform(-fraction, fraction)
+        time.sleep(seconds * _SLOWDOWN[0] * noise)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import time
 import deepspeed
 import torch.distributed as dist
 
-from benchmarks.emulated.layers import set_slowdown
+from benchmarks.emulated.layers import set_jitter, set_slowdown
 from benchmarks.emulated.model import build
 
 
@@ -35,6 +35,8 @@ def parse_args() -> argparse.Namespace:
                         help="write each rank's cProfile (main-thread CPU time) over the timed steps to DIR/rank<R>.prof")
     parser.add_argument("--slow", action="append", default=[], metavar="P:S@K*F",
                         help="from step K on, the worker of pipeline P at stage S runs F times slower (repeatable)")
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="each emulated op time is scaled by a factor drawn from [1 - J, 1 + J] (seeded per rank)")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -72,6 +74,7 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, model_parameters=params, training_data=dataset)
 
     reporter = getattr(engine, "is_reporter", lambda: engine.global_rank == 0)
+    set_jitter(args.jitter, seed=engine.global_rank)
     here = (engine.grid.data_parallel_id, engine.stage_id)
     slow = [(step, factor) for (worker, step, factor) in map(parse_slow, args.slow) if worker == here]
     cpu0 = time.process_time()

@@ -104,10 +104,47 @@ class FaultConfig:
     phase: FaultPhase = "forward"
     """Where in the iteration: F, B, W, the worker's last W, a send, a receive, the all-reduce, the optimizer
     step, idle, or a step of a restarted worker's admission (``join-*``)."""
+    slow: float | None = None
+    """Instead of a kill, a slow accelerator: from ``iteration`` on, each of the worker's F, B, W and optimizer
+    steps lasts this many times as long (it sleeps the difference after each; CPU devices). ``phase`` is unused."""
 
     def __post_init__(self) -> None:
         if self.iteration < 0:
             raise ConfigError("recycle.faults[].iteration", f"{self.iteration} is negative", "use 0 or more")
+        if self.slow is not None and not 1.0 <= self.slow <= 100.0:
+            raise ConfigError("recycle.faults[].slow", f"{self.slow} is outside [1, 100]",
+                              "give how many times slower the worker runs, e.g. 2.0")
+
+
+@dataclass(frozen=True)
+class FailSlowConfig:
+    """Fail-slow: the job finds a worker persistently slower than its stage's peers and re-plans around it.
+
+    Each member reports its seconds of F, B and W per micro-batch every iteration (CPU devices; one all-reduce of
+    one number per worker, posted at an iteration boundary and read at the next); a worker whose median over
+    ``window`` iterations is ``enter`` times its stage peers' median for ``confirm`` checks in a row is planned
+    with that speed factor (its peers take some of its micro-batches, in their bubbles); back at ``leave`` or
+    below, it is planned normal again. See ``ds_recycle.resilience.speed``.
+    """
+
+    enabled: bool = True
+    """False: no measuring exchange and no re-planning for speed."""
+    enter: float = 1.3
+    """Ratio to the stage peers' pace at or above which a worker is slow."""
+    leave: float = 1.15
+    """Ratio at or below which a slow worker is normal again."""
+    window: int = 7
+    """Iterations whose ratios make up the median."""
+    confirm: int = 4
+    """Consecutive checks that must agree before the plan changes (with ``window`` 7: found within 8 iterations)."""
+
+    def __post_init__(self) -> None:
+        if not 1.0 < self.leave < self.enter:
+            raise ConfigError("recycle.fail_slow.leave", f"leave={self.leave}, enter={self.enter}",
+                              "use 1 < leave < enter (for example leave 1.15, enter 1.3)")
+        if self.window < 1 or self.confirm < 1:
+            raise ConfigError("recycle.fail_slow.window" if self.window < 1 else "recycle.fail_slow.confirm",
+                              "is below 1", "use a positive number of iterations")
 
 
 @dataclass(frozen=True)
@@ -129,9 +166,14 @@ class RecycleConfig:
     assume_failed: tuple[Worker, ...] = ()
     """Workers ``[pipeline, stage]`` absent from the start (the job runs with that many fewer processes)."""
     costs_file: str | None = None
-    """Cost profile (per-stage F, B, W, O and comm) for the planner; null: measured costs are not used."""
+    """Cost profile (per-stage F, B, W, O and comm) for the planner; null: uniform costs until the job has
+    measured its own (``measure_costs``)."""
+    measure_costs: bool = True
+    """Without ``costs_file``: once per membership epoch, after a few iterations, re-plan with the F, B, W and
+    optimizer-step times the workers measured when that plan is at least 3% faster (CPU devices)."""
     faults: tuple[FaultConfig, ...] = ()
-    """Failures to inject (fault injection for tests and the demo); ``--kill P:S@N:PHASE`` adds more."""
+    """Failures to inject (fault injection for tests and the demo); ``--kill P:S@N:PHASE`` and ``--slow P:S@N*F``
+    add more."""
     failure_timeout_s: float = 300.0
     """Longest any single wait (receive, send completion, all-reduce, norm) may last before the peer is
     declared failed. Crashed peers are detected within milliseconds from the launcher's exit reports, so
@@ -146,6 +188,8 @@ class RecycleConfig:
     rng_seed: int = 0
     """Base seed of the per-micro-batch random streams: a micro-batch's forward (dropout) draws from a generator
     seeded by ``(rng_seed, step, pipeline, index, stage)``, so it gets the same masks wherever it runs."""
+    fail_slow: FailSlowConfig = field(default_factory=FailSlowConfig)
+    """Detection of slow workers and re-planning around them."""
     model: GPTConfig = field(default_factory=GPTConfig)
     """The GPT to train."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -200,6 +200,9 @@ class RecyclePipelineEngine(PipelineEngine):
         """When a dict, each executed instruction's wall time is appended under its class name."""
         self.clock: OpClock | None = OpClock() if self.device.type == "cpu" else None
         """This worker's F, B, W and O wall times (:mod:`ds_recycle.engine.op_clock`; CPU devices only)."""
+        self.throttle = 1.0
+        """Fault injection of a slow accelerator (``recycle.faults`` with ``slow``): each timed compute instruction
+        is followed by ``throttle - 1`` times its own duration of sleep (CPU devices, where instructions are timed)."""
         self._calls = 0
         self.rng_seed = 0
         """Base of the per-micro-batch RNG seeds (``recycle.rng_seed``; :mod:`ds_recycle.engine.rng`)."""
@@ -290,6 +293,20 @@ class RecyclePipelineEngine(PipelineEngine):
             self.reporter_rank = min(last)
         self.drop_slots()
         self._loss_sum = None
+
+    def switch_plan(self, plan: PlanLike) -> None:
+        """Run ``plan`` from the next iteration on, with the same members and groups (a re-plan for a worker's
+        speed). Call at an iteration boundary, with the last step finished: no micro-batch is in flight and the
+        gradient rows are empty."""
+        check_plan_for_job(plan, self.num_stages, self.workers.pipelines, self.micro_batches, self.workers.absent())
+        if self.slots or self.row_order.held:
+            raise RuntimeError(f"switch_plan in the middle of iteration {self.iteration}: call it between iterations")
+        old = self.stepper
+        self.plan = plan
+        self._schedules = [self._make_schedule(k) for k in range(plan.iterations)]
+        self.stepper = self._make_stepper()
+        self.stepper.clipped_steps = old.clipped_steps
+        self.stepper.adopt_contributions(old.kept_contributions())
 
     def position(self) -> Position:
         """Where this worker stands (reported to the other members after a failure)."""
@@ -626,6 +643,9 @@ class RecyclePipelineEngine(PipelineEngine):
                 start = time.perf_counter()
                 MethodType(handler, self)(**cmd.kwargs)
                 seconds = time.perf_counter() - start
+                if self.throttle != 1.0 and kind is not None:  # an injected slow accelerator
+                    time.sleep(seconds * (self.throttle - 1.0))
+                    seconds *= self.throttle
                 if self.op_seconds is not None:
                     self.op_seconds[cmd.name].append(seconds)
                 if kind is not None and self.clock is not None:

@@ -72,6 +72,15 @@ class OpClock:
                 pooled[kind].extend(values)
         return {kind: statistics.median(values) for kind, values in pooled.items() if values}
 
+    def pace(self) -> float:
+        """Wall seconds of F, B and W (fused or not) per forwarded micro-batch in the last closed iteration that had
+        one timed; 0.0 before any. A worker's speed whatever its load (:mod:`ds_recycle.resilience.speed`)."""
+        for iteration in reversed(self._done):
+            forwards = len(iteration.get("F", ()))
+            if forwards:
+                return sum(sum(iteration.get(k, ())) for k in ("F", "B", "W", "BW")) / forwards
+        return 0.0
+
     def iteration_median(self) -> float | None:
         """Median wall seconds of the iterations in the window."""
         return statistics.median(self._iterations) if self._iterations else None

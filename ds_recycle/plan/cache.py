@@ -16,7 +16,7 @@ import gc
 import gzip
 import itertools
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,9 @@ class PlanCache:
         self.optimizer, self.memory_limit = optimizer, memory_limit
         self._plans: dict[FailureKey, Plan] = {}
         self._renamed: dict[frozenset[Worker], Plan] = {}
+        self._slow: dict[tuple[frozenset[Worker], tuple[tuple[int, int, float], ...]], Plan] = {}
+        """Plans with slow workers, by exact failure set and slow factors (made on demand, never normalised:
+        which worker is slow matters beyond its pipeline's name)."""
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -72,12 +75,21 @@ class PlanCache:
             plan = self._plans[key] = self._make(key)
         return plan
 
-    def get(self, failed: Iterable[Worker]) -> Plan:
+    def get(self, failed: Iterable[Worker], slow: Mapping[Worker, float] | None = None) -> Plan:
         """The plan for exactly ``failed`` (made and stored on a miss). Raises :class:`StageLostError`.
 
-        The renamed plan is kept too, so asking again for the same set is a dictionary lookup.
+        The renamed plan is kept too, so asking again for the same set is a dictionary lookup. ``slow``: live
+        workers slower than their stage by the given factors (fail-slow; :attr:`CostModel.slow`).
         """
         exact = frozenset((int(p), int(s)) for p, s in failed)
+        costs = self.costs.with_slow({w: f for w, f in (slow or {}).items() if w not in exact})
+        if costs.slow:
+            slow_key = (exact, costs.slow)
+            if slow_key not in self._slow:
+                self._slow[slow_key] = make_plan(self.stages, self.pipelines, self.microbatches, costs, exact,
+                                            iterations=self.iterations, schedule=self.schedule,
+                                            optimizer=self.optimizer, memory_limit=self.memory_limit)
+            return self._slow[slow_key]
         hit = self._renamed.get(exact)
         if hit is not None:
             return hit

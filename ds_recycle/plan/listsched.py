@@ -63,11 +63,11 @@ class Policy:
 class _Worker:
     """Mutable state of one worker during the pass."""
 
-    __slots__ = ("key", "stage", "fin", "bin", "wq", "held", "open", "free", "iteration", "left",
+    __slots__ = ("key", "stage", "factor", "fin", "bin", "wq", "held", "open", "free", "iteration", "left",
                  "ops", "version", "waiting", "f_cap", "f_left", "expect", "decision")
 
-    def __init__(self, key: Worker, f_cap: float) -> None:
-        self.key, self.stage = key, key[1]
+    def __init__(self, key: Worker, f_cap: float, factor: float = 1.0) -> None:
+        self.key, self.stage, self.factor = key, key[1], factor
         self.fin: dict[int, deque] = {}
         self.bin: dict[int, deque] = {}
         self.wq: deque = deque()
@@ -111,7 +111,7 @@ class _Pass:
             cap = _INF if policy.warmup is None else max(1, stages - s + policy.warmup)
             for p in range(pipelines):
                 if (p, s) not in failed:
-                    self.workers[(p, s)] = _Worker((p, s), cap)
+                    self.workers[(p, s)] = _Worker((p, s), cap, costs.factor((p, s)))
         self.load = {w: 0 for w in self.workers}
         for s, table in enumerate(routing):
             for p in table.values():
@@ -167,7 +167,8 @@ class _Pass:
         if w.wq:
             if self.free_early and w.held >= self.mem - 1:
                 return free, _W, 0
-            w_ready = _INF if self.fit_w and min(b_ready, f_ready) < free + self.w_cost[w.stage] - 1e-12 else free
+            w_ready = (_INF if self.fit_w and min(b_ready, f_ready) < free + self.w_cost[w.stage] * w.factor - 1e-12
+                       else free)
         else:
             w_ready = _INF
         t = min(b_ready, f_ready, w_ready)
@@ -202,7 +203,7 @@ class _Pass:
             self._push(w)
 
     def _emit(self, w: _Worker, kind: OpKind, k: int, mb: MicroBatch | None, start: float) -> float:
-        end = start + self.cost[kind][w.stage]
+        end = start + self.cost[kind][w.stage] * w.factor
         w.ops.append(Op.trusted(kind, k, mb, start, end))
         w.free = end
         return end
@@ -213,7 +214,7 @@ class _Pass:
         qs.setdefault(sender, deque()).append(item)
         at, kind, _ = r.decision
         # the receiver's decision only looks at inputs ready by its start (by the end of a W it would fit in)
-        if at == _INF or item[0] <= at + (self.w_cost[r.stage] if kind is _W else 0.0) + 1e-12:
+        if at == _INF or item[0] <= at + (self.w_cost[r.stage] * r.factor if kind is _W else 0.0) + 1e-12:
             self._push(r)
 
     def _run_f(self, w: _Worker, t: float, item: tuple) -> None:

@@ -134,13 +134,16 @@ def _make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     if search is None:
         search = 0 if schedule != "adaptive" or ops_count > SEARCH_OPS_MOST else \
             min(SEARCH_MOST, SEARCH_OPS // ops_count)
-    if not failed and pipelines > 1:  # pipelines never meet but in O, and are alike: plan one, copy it
+    slow = costs.slow_workers()
+    if not failed and not slow and pipelines > 1:  # pipelines never meet but in O, and are alike: plan one, copy it
         one = _make_plan(stages, 1, microbatches, costs, failed, iterations, schedule, optimizer, memory_limit,
                          variants, time_budget, search)
         return _replicate(one, pipelines) if copy else one
-    routing = route(stages, pipelines, microbatches, failed)
     sync = optimizer == "synchronous"
-    policies = policies_for(schedule, stages, memory_limit, first_stage_failed=first_failed, failures=bool(failed))
+    policies = policies_for(schedule, stages, memory_limit, first_stage_failed=first_failed,
+                            failures=bool(failed or slow))
+    offload = _offload(stages, pipelines, microbatches, costs, failed, iterations, sync, policies[0]) if slow else {}
+    routing = route(stages, pipelines, microbatches, failed, offload)
     span, workers, policy = _best_variant(stages, pipelines, microbatches, costs, routing, failed, iterations, sync,
                                           policies[:max(1, variants)], time_budget)
     if search > 0:
@@ -153,6 +156,32 @@ def _make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
     return Plan(stages, pipelines, microbatches, iterations, optimizer,
                 _plan_memory_limit(schedule, stages, memory_limit), costs, failed, dict(sorted(workers.items())),
                 schedule)
+
+
+def _offload(stages: int, pipelines: int, microbatches: int, costs: CostModel, failed: frozenset[Worker],
+             iterations: int, sync: bool, policy: Policy) -> dict[Worker, int]:
+    """How many of its own micro-batches each slow worker gives its stage's peers: per slow worker in turn (the
+    others' counts fixed), the count whose plan (``policy``'s greedy pass) is shortest, fewest on a tie.
+
+    A slow worker keeps at least one: it holds its stage's parameters and optimizer state and steps with its peers
+    whatever it runs, so it takes part in the reduction anyway; fencing it would cost a state transfer to take it
+    back once it is fast again, and one micro-batch at half speed fits in the bubbles of almost any plan.
+    """
+    offload: dict[Worker, int] = {}
+    for worker in sorted(w for w in costs.slow_workers() if w not in failed):
+        best: tuple[float, int] | None = None
+        for k in range(microbatches):
+            routing = route(stages, pipelines, microbatches, failed, {**offload, worker: k})
+            try:
+                workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations, sync,
+                                        policy)
+            except DeadlockError:
+                continue
+            span = max(ops[-1].end for ops in workers.values())
+            if best is None or span < best[0] - 1e-12:
+                best = (span, k)
+        offload[worker] = 0 if best is None else best[1]
+    return offload
 
 
 def _check_arguments(stages: int, pipelines: int, microbatches: int, costs: CostModel, iterations: int,

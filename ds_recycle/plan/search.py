@@ -49,7 +49,7 @@ def improve(start: Candidate, stages: int, pipelines: int, microbatches: int, co
     """The best candidate found in ``evaluations`` list-scheduler runs from ``start``."""
     rng = random.Random(seed)
     best = current = start
-    orphans = [(s, mb) for s in range(stages) for mb in start.routing[s] if (mb[0], s) in failed]
+    orphans = [(s, mb) for s in range(stages) for mb, p in start.routing[s].items() if p != mb[0]]  # failed or offloaded
     for _ in range(evaluations):
         routing, rank = _neighbour(current, orphans, rng)
         try:

@@ -147,7 +147,7 @@ class _Sim:
                     return
                 ready = self.done[dep] + (self.costs.comm if dep[1] != s else 0.0)
             start = max(self.free[w], ready)
-            end = start + self.costs.of(kind.value, s)
+            end = start + self.costs.duration(kind.value, w)
             self._record(w, Op(kind, it, mb, start, end))
             key = (kind, s, it, mb)
             self.done[key] = end
@@ -175,7 +175,7 @@ class _Sim:
             return
         start = max([self.group_end[group]] + [self.free[w] for w in members])
         for w in sorted(members):
-            self._record(w, Op(_O, group[1], None, start, start + self.costs.O[w[1]]))
+            self._record(w, Op(_O, group[1], None, start, start + self.costs.duration("O", w)))
             queue.append(w)
         self.arrived[group] = []
         self.group_left[group] = -1  # released

@@ -100,13 +100,13 @@ def _check_triple(plan: Plan, where: dict, k: int, s: int, mb: tuple[int, int]) 
 
 
 def _check_durations(plan: Plan, eps: float) -> None:
-    table = {kind: getattr(plan.costs, kind.value) for kind in OpKind}
     for w, ops in plan.workers.items():
-        s = w[1]
+        s, factor = w[1], plan.costs.factor(w)
         for i, op in enumerate(ops):
-            cost = table[op.kind][s]
+            cost = plan.costs.duration(op.kind.value, w)
             if abs((op.end - op.start) - cost) > eps:
-                _fail(plan, 2, f"lasts {op.end - op.start} but costs.{op.kind.value}[{s}] = {cost}", w, i)
+                slow = f" x the worker's slow factor {factor}" if factor != 1.0 else ""
+                _fail(plan, 2, f"lasts {op.end - op.start} but costs.{op.kind.value}[{s}]{slow} = {cost}", w, i)
 
 
 def _check_order(plan: Plan, eps: float) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JOIN_PHASES", "FaultInjector", "FaultSpec", "Phase", "parse_fault"]
+__all__ = ["parse_slow", "JOIN_PHASES", "FaultInjector", "FaultSpec", "Phase", "parse_fault"]
 
 
 class Phase(enum.Enum):
@@ -88,6 +88,21 @@ def parse_fault(text: str) -> FaultSpec:
     except ValueError:
         raise ValueError(f"fault {text!r}: unknown phase {m.group(4)!r}; use one of {phases}") from None
     return FaultSpec(int(m.group(1)), int(m.group(2)), int(m.group(3)), phase)
+
+
+_SLOW = re.compile(r"^(\d+):(\d+)@(\d+)\*(\d+(?:\.\d*)?)$")
+
+
+def parse_slow(text: str) -> tuple[tuple[int, int], int, float]:
+    """Parse ``PIPELINE:STAGE@ITERATION*FACTOR`` (a worker that runs FACTOR times slower from ITERATION on) into
+    ``((pipeline, stage), iteration, factor)``; the error names what is wrong and the fix."""
+    m = _SLOW.match(text.strip())
+    if not m:
+        raise ValueError(f"slowdown {text!r} is not PIPELINE:STAGE@ITERATION*FACTOR; e.g. 1:1@4*2.0")
+    factor = float(m.group(4))
+    if not 1.0 <= factor <= 100.0:
+        raise ValueError(f"slowdown {text!r}: factor {factor} is outside [1, 100]")
+    return (int(m.group(1)), int(m.group(2))), int(m.group(3)), factor
 
 
 class FaultInjector:

@@ -66,7 +66,7 @@ from ds_recycle.resilience.fallback import (
 )
 from ds_recycle.resilience.faults import Phase
 from ds_recycle.resilience.heartbeat import Heartbeat
-from ds_recycle.resilience.injection import Faults, faults_of
+from ds_recycle.resilience.injection import Faults, faults_of, slowdowns_of
 from ds_recycle.resilience.phases import (
     Agreement,
     Epoch,
@@ -88,7 +88,9 @@ from ds_recycle.resilience.rejoin import (
     wait_for_ticket,
     write_tickets,
 )
+from ds_recycle.resilience.replan import Replanner
 from ds_recycle.resilience.salvage import Decision, decide
+from ds_recycle.resilience.speed import SpeedSettings, SpeedWatch
 from ds_recycle.resilience.store import StoreKeys, connect_store, incarnation
 from ds_recycle.resilience.transport import LossRider
 from ds_recycle.resilience.watchdog import Watchdog
@@ -162,6 +164,14 @@ class FailureHandler:
         costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
         self.plans = PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, costs, schedule=rc.schedule,
                                optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
+        slow = rc.fail_slow
+        speed = SpeedWatch(SpeedSettings(slow.enter, slow.leave, slow.window, slow.confirm)) if slow.enabled else None
+
+        def cache(measured: CostModel) -> PlanCache:
+            return PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, measured, schedule=rc.schedule,
+                             optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
+        self.replanner = Replanner(self.plans, speed, rc.measure_costs and not rc.costs_file, cache)
+        """Plan switches from the job's measurements (:mod:`ds_recycle.resilience.replan`)."""
         self.round = 0
         """The latest agreement round (membership epoch): one per failure handled."""
         self.members: tuple[int, ...] = tuple(sorted(engine.workers.ranks.values()))
@@ -186,7 +196,7 @@ class FailureHandler:
         self.named_by_engine = False
         """The fallback directory holds ``engine.save_checkpoint``'s checkpoints (DeepSpeed's layout)."""
         life = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0"))
-        self.faults = Faults(faults_of(cfg), engine.worker, life, store, keys, rank, engine)
+        self.faults = Faults(faults_of(cfg), engine.worker, life, store, keys, rank, engine, slowdowns_of(cfg))
         check = _FailureCheck(watchdog)
         engine.keep_boundary_log()
         engine.attach_hooks(self.faults.hooks(check) if self.faults.armed else check)
@@ -233,6 +243,8 @@ class FailureHandler:
         if self.job.watchdog.failed():
             raise PeerFailure("a member exited (seen at the iteration boundary)")
         self._admit_joiners()
+        for event in self.replanner.at_boundary(self.engine):
+            self._event(event)
         self.engine.run_iteration()
         self._note_recovered()
 
@@ -248,6 +260,7 @@ class FailureHandler:
     def _install(self, epoch: Epoch, plan: Any, reporter: int | None = None) -> None:
         self.epoch = epoch
         self.rider.value = None  # a new epoch: the count comes with its first loss broadcast
+        self.replanner.reset()  # every member of the new epoch starts from the configured costs, alike
         install(self.engine, epoch, plan, reporter)
 
     # ------------------------------------------------------------------ recovery

@@ -22,12 +22,18 @@ if TYPE_CHECKING:
     from ds_recycle.config.job import JobConfig
     from ds_recycle.engine.engine import RecyclePipelineEngine
 
-__all__ = ["Faults", "fault_key", "faults_of", "kill_time"]
+__all__ = ["Faults", "fault_key", "faults_of", "kill_time", "slowdowns_of"]
 
 
 def faults_of(cfg: JobConfig) -> list[FaultSpec]:
-    """The config's ``recycle.faults`` as fault specs."""
-    return [FaultSpec(f.worker[0], f.worker[1], f.iteration, Phase(f.phase)) for f in cfg.recycle.faults]
+    """The config's ``recycle.faults`` that kill, as fault specs."""
+    return [FaultSpec(f.worker[0], f.worker[1], f.iteration, Phase(f.phase)) for f in cfg.recycle.faults
+            if f.slow is None]
+
+
+def slowdowns_of(cfg: JobConfig) -> list[tuple[tuple[int, int], int, float]]:
+    """The config's ``recycle.faults`` that slow a worker down: ``(worker, from iteration, factor)``."""
+    return [(f.worker, f.iteration, f.slow) for f in cfg.recycle.faults if f.slow is not None]
 
 
 def fault_key(keys: StoreKeys, rank: int) -> str:
@@ -59,8 +65,12 @@ class Faults:
     """
 
     def __init__(self, specs: Iterable[FaultSpec], worker: tuple[int, int], life: int, store: dist.Store,
-                 keys: StoreKeys, rank: int, engine: RecyclePipelineEngine) -> None:
+                 keys: StoreKeys, rank: int, engine: RecyclePipelineEngine,
+                 slowdowns: Iterable[tuple[tuple[int, int], int, float]] = ()) -> None:
         specs = list(specs)
+        self.slowdowns = sorted((it, factor) for w, it, factor in slowdowns if w == worker and not life)
+        """``(iteration, factor)`` this worker's accelerator turns slow at, first life only (a restarted worker
+        runs on a fresh one)."""
         self.training = FaultInjector([] if life else specs, *worker)
         self.joining = FaultInjector([f for f in specs if f.phase in JOIN_PHASES and f.iteration == life], *worker)
         self.store, self.keys, self.rank, self.engine = store, keys, rank, engine
@@ -70,13 +80,15 @@ class Faults:
     @property
     def armed(self) -> bool:
         """Some fault is aimed at this worker in this life."""
-        return bool(self.training.pending or self.joining.pending)
+        return bool(self.training.pending or self.joining.pending or self.slowdowns)
 
     def fire(self, phase: Phase) -> None:
         """The engine enters ``phase`` of its current iteration: kill this worker if a fault says so."""
         if phase is Phase.FORWARD and self.joined_at is not None and self.engine.iteration == self.joined_at:
             self.fire_join(Phase.JOIN_FIRST_ITERATION)
         it = self.engine.iteration
+        while self.slowdowns and self.slowdowns[0][0] <= it:
+            self.engine.throttle = self.slowdowns.pop(0)[1]
         if any(f.iteration == it and f.phase is phase for f in self.training.pending):
             self.store.set(fault_key(self.keys, self.rank), repr(time.time()))
             self.training.reached(it, phase)

@@ -53,6 +53,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="inject a failure: SIGKILL worker (pipeline P, stage S) when it enters PHASE of iteration N "
                         "(forward, backward-input, backward-weight, send, receive, all-reduce, optimizer-step, idle); "
                         "repeatable; adds to recycle.faults")
+    p.add_argument("--slow", action="append", default=[], metavar="P:S@N*F",
+                   help="inject a slow accelerator: from iteration N on, worker (pipeline P, stage S) runs its F, B, W "
+                        "and optimizer step F times as long (CPU); repeatable; adds to recycle.faults")
     p.add_argument("--costs-out", dest="costs_out", default=None,
                    help="after training, write the F/B/W/O costs per stage the job measured (the planner's "
                         "costs-file format, seconds: recycle.costs_file reads it) and log how the plan fares under "
@@ -70,13 +73,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--steps {args.steps}: train at least one iteration")
     if (args.checkpoint_interval or args.resume) and not args.checkpoint_dir:
         p.error("--checkpoint-interval/--resume need --checkpoint-dir DIR")
-    from ds_recycle.resilience.faults import parse_fault
+    from ds_recycle.resilience.faults import parse_fault, parse_slow
 
     for text in args.kill:
         try:
             parse_fault(text)
         except ValueError as e:
             p.error(f"--kill: {e}")
+    for text in args.slow:
+        try:
+            parse_slow(text)
+        except ValueError as e:
+            p.error(f"--slow: {e}")
     if args.checkpoint_interval < 0:
         p.error(f"--checkpoint-interval {args.checkpoint_interval}: use 0 (never) or a positive number")
     return args
@@ -90,8 +98,8 @@ def _configure_logging(rank: int) -> None:
 
 def _load(args: argparse.Namespace) -> TrainConfig:
     cfg = load_config(args.deepspeed_config)
-    if args.kill:
-        cfg = _with_kills(cfg, args.kill)
+    if args.kill or args.slow:
+        cfg = _with_kills(cfg, args.kill, args.slow)
     if args.vanilla and cfg.recycle.enabled:
         from dataclasses import replace
 
@@ -99,17 +107,21 @@ def _load(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def _with_kills(cfg: TrainConfig, kills: Sequence[str]) -> TrainConfig:
-    """``cfg`` with the ``--kill`` faults appended to ``recycle.faults`` (checked like config entries)."""
+def _with_kills(cfg: TrainConfig, kills: Sequence[str], slows: Sequence[str] = ()) -> TrainConfig:
+    """``cfg`` with the ``--kill`` and ``--slow`` faults appended to ``recycle.faults`` (checked like config
+    entries)."""
     from dataclasses import replace
 
     from ds_recycle.config import FaultConfig
-    from ds_recycle.resilience.faults import parse_fault
+    from ds_recycle.resilience.faults import parse_fault, parse_slow
 
     added = []
     for text in kills:
         f = parse_fault(text)
         added.append(FaultConfig((f.pipeline, f.stage), f.iteration, f.phase.value))
+    for text in slows:
+        worker, iteration, factor = parse_slow(text)
+        added.append(FaultConfig(worker, iteration, slow=factor))
     return replace(cfg, recycle=replace(cfg.recycle, faults=cfg.recycle.faults + tuple(added)))
 
 
