@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     stages, pipelines = (int(x) for x in args.shape.lower().split("x"))
     slow_workers = [(int(a) % pipelines, int(b) % stages) for a, b in
                     (w.split(":") for w in args.slow_workers.split(","))]
-    work = Path(args.workdir)
+    work = Path(args.workdir).resolve()
     pfile = write_profile(work / f"profile-{stages}x{pipelines}.json",
                           profile("gpt3-2.7b", stages, pipelines, f_ms_for(DEFAULT_F_MS, stages, pipelines)))
     costs = CostModel.from_file(pfile)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 
@@ -159,28 +160,38 @@ def _make_plan(stages: int, pipelines: int, microbatches: int, costs: CostModel,
 
 
 def _offload(stages: int, pipelines: int, microbatches: int, costs: CostModel, failed: frozenset[Worker],
-             iterations: int, sync: bool, policy: Policy) -> dict[Worker, int]:
-    """How many of its own micro-batches each slow worker gives its stage's peers: per slow worker in turn (the
-    others' counts fixed), the count whose plan (``policy``'s greedy pass) is shortest, fewest on a tie.
+             iterations: int, sync: bool, policy: Policy, rounds: int = 3) -> dict[Worker, int]:
+    """How many of its own micro-batches each slow worker gives its stage's peers.
+
+    Each slow worker's count starts at the best count with it the only slow worker (its own stage's optimum:
+    starting every count at 0 would leave each worker's choice dominated by the others' slowness, every count
+    tying); then, per slow worker in turn with the others' counts fixed, the count whose plan (``policy``'s greedy
+    pass) is shortest, fewest on a tie, for up to ``rounds`` rounds or until no count changes.
 
     A slow worker keeps at least one: it holds its stage's parameters and optimizer state and steps with its peers
     whatever it runs, so it takes part in the reduction anyway; fencing it would cost a state transfer to take it
     back once it is fast again, and one micro-batch at half speed fits in the bubbles of almost any plan.
     """
-    offload: dict[Worker, int] = {}
-    for worker in sorted(w for w in costs.slow_workers() if w not in failed):
-        best: tuple[float, int] | None = None
-        for k in range(microbatches):
-            routing = route(stages, pipelines, microbatches, failed, {**offload, worker: k})
-            try:
-                workers = list_schedule(stages, pipelines, microbatches, costs, routing, failed, iterations, sync,
-                                        policy)
-            except DeadlockError:
-                continue
-            span = max(ops[-1].end for ops in workers.values())
-            if best is None or span < best[0] - 1e-12:
-                best = (span, k)
-        offload[worker] = 0 if best is None else best[1]
+    slow = sorted(w for w in costs.slow_workers() if w not in failed)
+
+    def span(offload: dict[Worker, int], model: CostModel) -> float:
+        routing = route(stages, pipelines, microbatches, failed, offload)
+        try:
+            workers = list_schedule(stages, pipelines, microbatches, model, routing, failed, iterations, sync, policy)
+        except DeadlockError:
+            return math.inf
+        return max(ops[-1].end for ops in workers.values())
+
+    def best_count(worker: Worker, fixed: dict[Worker, int], model: CostModel) -> int:
+        return min((span({**fixed, worker: k}, model), k) for k in range(microbatches))[1]
+
+    offload = {w: best_count(w, {}, costs.with_slow({w: costs.factor(w)})) for w in slow}
+    for _ in range(rounds if len(slow) > 1 else 0):
+        before = dict(offload)
+        for w in slow:
+            offload[w] = best_count(w, {v: k for v, k in offload.items() if v != w}, costs)
+        if offload == before:
+            break
     return offload
 
 

@@ -29,6 +29,7 @@ import torch
 from ds_recycle.engine.op_clock import KINDS, stage_costs
 from ds_recycle.events import Event, PlanSwitchEvent, SlowWorkerEvent
 from ds_recycle.plan import CostModel, PlanCache, simulate
+from ds_recycle.resilience.phases import rerouted
 from ds_recycle.resilience.speed import SpeedVerdict, SpeedWatch
 
 __all__ = ["MEASURED_GAIN", "Replanner"]
@@ -51,11 +52,6 @@ def rounded(costs: CostModel) -> CostModel:
     def digits(values: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(_two_digits(v) for v in values)
     return CostModel(digits(costs.F), digits(costs.B), digits(costs.W), digits(costs.O), comm=costs.comm)
-
-
-def _rerouted(plan: Any) -> int:
-    return sum(plan.worker_of(s, (d, i))[0] != d for s in range(plan.stages)
-               for d in range(plan.pipelines) for i in range(plan.microbatches))
 
 
 class Replanner:
@@ -124,7 +120,7 @@ class Replanner:
                                                previous=v.previous, ratio=round(v.ratio, 4),
                                                iteration=engine.iteration) for v in verdicts]
         engine.switch_plan(plan)
-        events.append(PlanSwitchEvent(absent=tuple(sorted(workers.absent())), rerouted=_rerouted(plan),
+        events.append(PlanSwitchEvent(absent=tuple(sorted(workers.absent())), rerouted=rerouted(plan),
                                       slow=plan.costs.slow, iteration=engine.iteration,
                                       measured=self.plans is not self.configured))
         return events

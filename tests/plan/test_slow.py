@@ -65,3 +65,14 @@ def test_validator_names_the_factor_of_a_wrong_duration() -> None:
     with pytest.raises(PlanValidationError, match="slow factor 3.0"):
         validate_plan(Plan.from_json({**plan.to_json(), "costs": CostModel.uniform(2).with_slow({(0, 1): 3.0})
                                       .to_json()}))
+
+
+def test_two_slow_workers_in_different_stages_both_offload() -> None:
+    """Each count starts at its own stage's optimum: from zero, each worker's choice would tie (the other slow
+    worker dominates the plan) and both would keep everything."""
+    costs = UNIFORM.with_slow({(1, 1): 2.0, (2, 2): 2.0})
+    plan = make_plan(4, 4, 8, costs)
+    validate_plan(plan)
+    assert _offloaded(plan, (1, 1)) >= 1 and _offloaded(plan, (2, 2)) >= 1
+    free = make_plan(4, 4, 8, UNIFORM)
+    assert plan.makespan < 1.25 * free.makespan < simulate(free.workers, costs).makespan
