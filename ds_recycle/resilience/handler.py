@@ -290,7 +290,10 @@ class FailureHandler:
         except StageLostError as e:
             self._fall_back(e)
         planned = time.time()
-        decision = decide(agreement.positions, plan, epoch.workers, salvage=self.cfg.recycle.salvage,
+        # A plan that moved a slow worker's own micro-batches to its peers keeps that pipeline's gradients in rows
+        # per micro-batch, which the new plan (normal speeds) sums in one row: its partial sums are redone, not kept.
+        offloaded = bool(getattr(getattr(eng.plan, "costs", None), "slow", ()))
+        decision = decide(agreement.positions, plan, epoch.workers, salvage=self.cfg.recycle.salvage and not offloaded,
                           tied_stages=[frozenset(t.stages) for t in job.tied])
         self._event(AgreementEvent(members=agreement.members, epoch=agreement.epoch,
                                    repair_iteration=decision.iteration,

@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from ds_recycle.events import PlanSwitchEvent, SlowWorkerEvent, events_of  # noqa: E402
+from ds_recycle.events import FailureEvent, PlanSwitchEvent, SlowWorkerEvent, events_of  # noqa: E402
 from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess]
@@ -44,6 +44,25 @@ def test_slow_worker_found_planned_around_and_back_same_model(tmp_path: Path,
     assert (1, 1, slow.factor) in switches[slow.iteration].slow and switches[slow.iteration].rerouted > 0
     assert all(w[:2] != (1, 1) for w in switches[fast.iteration].slow)
     print(f"found slow at {slow.iteration} ({slow.ratio:.2f}x), normal again at {fast.iteration}")
+    assert_same_model(out, reference(2, 3, STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_worker_killed_while_a_slow_one_is_planned_around_same_model(tmp_path: Path,
+                                                                     reference: Callable[[int, int, int], Path]) -> None:
+    """Worker (0, 1) killed after the plan moved some of slow worker (1, 1)'s micro-batches to its peers: the failure's
+    plan assumes normal speeds again (the handler redoes the interrupted iteration's partial sums rather than keep
+    rows laid out for the other plan); the job goes on and ends at the failure-free model."""
+    config = tiny_config(tmp_path, "c", 2, 3, failure_timeout_s=60.0)
+    out, metrics = tmp_path / "k.pt", tmp_path / "m.jsonl"
+    job = launch(6, ["--deepspeed_config", str(config), "--steps", str(STEPS), "--save-final", str(out),
+                     "--metrics", str(metrics), "--slow", f"1:1@{SLOW_AT}*3", "--kill", f"0:1@{SLOW_AT + BOUND + 3}:backward-weight"],
+                 timeout=240)
+    assert job.returncode == 0, job.output[-4000:]
+    records = job.metrics(metrics)
+    slow = [e for e in events_of(records, SlowWorkerEvent) if e.worker == (1, 1)]
+    assert slow and slow[0].iteration < SLOW_AT + BOUND + 3, slow  # planned around before the kill
+    assert [e.lost_workers for e in events_of(records, FailureEvent)] == [((0, 1),)]
     assert_same_model(out, reference(2, 3, STEPS))
 
 
