@@ -19,9 +19,11 @@ pytestmark = [pytest.mark.multiprocess]
 
 STEPS = 30
 SLOW_AT, FAST_AT = 3, 14
-BOUND = 8
-"""Iterations from the first slow (or fast again) iteration to the plan that assumes it, with the default
-detector (``ds_recycle.resilience.speed``: window 7, confirm 4, the exchange read one boundary later)."""
+BOUND = 10
+"""Iterations from the first slow (or fast again) iteration to the plan that assumes it: 8 with the default
+detector on steady paces (``ds_recycle.resilience.speed``: window 7, confirm 4, the exchange read one boundary
+later); on a loaded 2-core machine a noisy ratio can break a confirmation streak (9 seen), so the tests allow the
+issue's 10."""
 
 
 @pytest.mark.timeout(300)

@@ -93,7 +93,10 @@ def test_a_short_stop_declares_nothing_and_a_hung_worker_is_declared_within_hear
     """Two stops of worker (1, 0) in one job. Stopped for a third of ``heartbeat_stale_s`` and resumed, it is declared
     nothing (its heartbeat resumes with it). Stopped for good, the survivors blocked in waits on it, it is declared
     failed within ``heartbeat_stale_s`` and fenced (SIGKILLed) by its launcher; the model is the failure-free one."""
-    config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=120.0, heartbeat_stale_s=STALE_S)
+    # fail-slow off: on an oversubscribed 2-core machine 100 iterations can show a worker 1.3x slower than its peer
+    # for long enough to be planned around (a real slowdown there, not a hang), and this test asserts no events
+    config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=120.0, heartbeat_stale_s=STALE_S,
+                         fail_slow={"enabled": False})
     out, metrics = tmp_path / "hung.pt", tmp_path / "hung.jsonl"
     job = _start(4, _script(config, out, metrics, STEPS))
     try:
