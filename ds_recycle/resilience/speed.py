@@ -137,7 +137,7 @@ class SpeedWatch:
         if track.streak < s.confirm:
             return None
         track.streak = 0
-        factor = 1.0 if now != 1.0 and median <= s.leave else self._round(median)
+        factor = 1.0 if median < s.enter else self._round(median)  # below enter: normal, as a new worker would be
         if factor == now:
             return None
         if factor == 1.0:

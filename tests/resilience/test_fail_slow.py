@@ -41,7 +41,7 @@ def test_slow_worker_found_planned_around_and_back_same_model(tmp_path: Path,
     slow, fast = verdicts[0], verdicts[1]
     assert slow.factor >= 2.5 and slow.previous == 1.0 and slow.rank == 4, slow
     assert SLOW_AT < slow.iteration <= SLOW_AT + BOUND, slow
-    assert fast.factor == 1.0 and FAST_AT < fast.iteration <= FAST_AT + BOUND, fast
+    assert fast.factor == 1.0 and FAST_AT < fast.iteration <= FAST_AT + BOUND, verdicts
     switches = {e.iteration: e for e in events_of(records, PlanSwitchEvent)}
     assert (1, 1, slow.factor) in switches[slow.iteration].slow and switches[slow.iteration].rerouted > 0
     assert all(w[:2] != (1, 1) for w in switches[fast.iteration].slow)

@@ -55,6 +55,8 @@ def test_a_changed_slowness_updates_the_factor_a_small_drift_does_not() -> None:
         assert watch.observe({**base, SLOW: 2.2}) == []  # within one step of 2.0
     changes = [v for _ in range(10) for v in watch.observe({**base, SLOW: 3.0})]
     assert [(c.previous, c.factor) for c in changes] == [(2.0, 3.0)]
+    changes = [v for _ in range(10) for v in watch.observe({**base, SLOW: 1.25})]  # below enter: normal at once
+    assert [(c.previous, c.factor) for c in changes] == [(3.0, 1.0)]
 
 
 def test_hysteresis_between_leave_and_enter_keeps_the_verdict() -> None:
