@@ -90,7 +90,7 @@ from ds_recycle.resilience.rejoin import (
 )
 from ds_recycle.resilience.replan import Replanner
 from ds_recycle.resilience.salvage import Decision, decide
-from ds_recycle.resilience.speed import SpeedSettings, SpeedWatch
+from ds_recycle.resilience.speed import SpeedWatch
 from ds_recycle.resilience.store import StoreKeys, connect_store, incarnation
 from ds_recycle.resilience.transport import LossRider
 from ds_recycle.resilience.watchdog import Watchdog
@@ -165,7 +165,7 @@ class FailureHandler:
         self.plans = PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, costs, schedule=rc.schedule,
                                optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
         slow = rc.fail_slow
-        speed = SpeedWatch(SpeedSettings(slow.enter, slow.leave, slow.window, slow.confirm)) if slow.enabled else None
+        speed = SpeedWatch(slow) if slow.enabled else None
 
         def cache(measured: CostModel) -> PlanCache:
             return PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, measured, schedule=rc.schedule,

@@ -8,11 +8,11 @@ switches at the same iteration boundary on every member.
 
 A worker's *ratio* is its pace over the median pace of the other live workers of its stage (a stage with one
 live worker has nothing to compare with and is never judged). Decisions use the median of the last
-:attr:`SpeedSettings.window` ratios, and need :attr:`SpeedSettings.confirm` consecutive checks that agree:
+``window`` ratios, and need ``confirm`` consecutive checks that agree (``recycle.fail_slow``, :class:`~ds_recycle.config.FailSlowConfig`):
 
-- a normal worker whose median ratio is at least :attr:`~SpeedSettings.enter` becomes *slow* with that factor
-  (rounded to :attr:`~SpeedSettings.step`);
-- a slow worker whose median ratio falls to :attr:`~SpeedSettings.leave` or below is *recovered* (factor 1);
+- a normal worker whose median ratio is at least ``enter`` becomes *slow* with that factor
+  (rounded to :data:`STEP`);
+- a slow worker whose median ratio falls to ``leave`` or below is *recovered* (factor 1);
 - a slow worker whose median ratio stays more than a quarter (or a step) away from its factor gets a new one.
 
 The gap between ``enter`` and ``leave`` and the confirmation are the hysteresis: an iteration's noise moves the
@@ -34,33 +34,17 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["SpeedSettings", "SpeedVerdict", "SpeedWatch"]
+from ds_recycle.config import FailSlowConfig
+
+__all__ = ["MAX_FACTOR", "STEP", "SpeedVerdict", "SpeedWatch"]
 
 Worker = tuple[int, int]
 
 
-@dataclass(frozen=True)
-class SpeedSettings:
-    """The detector's thresholds (the config's ``recycle.fail_slow`` section)."""
-
-    enter: float = 1.3
-    """Median ratio at or above which a worker is found slow."""
-    leave: float = 1.15
-    """Median ratio at or below which a slow worker is found recovered."""
-    window: int = 7
-    """Checks whose ratios make up the median."""
-    confirm: int = 4
-    """Consecutive checks that must agree before a verdict."""
-    step: float = 0.25
-    """Factors are rounded to multiples of this (plans are made for a few distinct factors, not for noise)."""
-    max_factor: float = 8.0
-    """Largest factor a plan assumes (a worker slower than this is planned as this slow)."""
-
-    def __post_init__(self) -> None:
-        if not 1.0 < self.leave < self.enter:
-            raise ValueError(f"fail_slow: need 1 < leave < enter, got leave={self.leave}, enter={self.enter}")
-        if self.window < 1 or self.confirm < 1 or self.step <= 0 or self.max_factor < self.enter:
-            raise ValueError("fail_slow: window and confirm must be at least 1, step positive, max_factor >= enter")
+STEP = 0.25
+"""Factors are rounded to multiples of this (plans are made for a few distinct factors, not for noise)."""
+MAX_FACTOR = 8.0
+"""Largest factor a plan assumes (a worker slower than this is planned as this slow)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +70,8 @@ class _Track:
 class SpeedWatch:
     """The fail-slow state of the job, the same on every member (see the module docstring)."""
 
-    settings: SpeedSettings = field(default_factory=SpeedSettings)
+    settings: FailSlowConfig = field(default_factory=FailSlowConfig)
+    """The thresholds: the config's ``recycle.fail_slow`` section."""
     factors: dict[Worker, float] = field(default_factory=dict)
     """The slow workers and the factor the current plan assumes for each."""
     _tracks: dict[Worker, _Track] = field(default_factory=dict)
@@ -97,8 +82,7 @@ class SpeedWatch:
         self._tracks.clear()
 
     def _round(self, ratio: float) -> float:
-        s = self.settings
-        return min(s.max_factor, max(1.0, round(ratio / s.step) * s.step))
+        return min(MAX_FACTOR, max(1.0, round(ratio / STEP) * STEP))
 
     def observe(self, paces: Mapping[Worker, float]) -> list[SpeedVerdict]:
         """One check: each live worker's pace (seconds per micro-batch; 0 or absent: not measured). Returns the
@@ -129,7 +113,7 @@ class SpeedWatch:
         if now == 1.0:
             moved = median >= s.enter
         else:
-            moved = median <= s.leave or abs(median - now) > max(s.step, 0.25 * now)
+            moved = median <= s.leave or abs(median - now) > max(STEP, 0.25 * now)
         if not moved:
             track.streak = 0
             return None

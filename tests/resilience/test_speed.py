@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from ds_recycle.resilience.speed import SpeedSettings, SpeedWatch
+from ds_recycle.config import ConfigError, FailSlowConfig
+from ds_recycle.resilience.speed import SpeedWatch
 
 WORKERS = [(p, s) for s in range(4) for p in range(4)]
 SLOW = (1, 2)
@@ -81,5 +82,5 @@ def test_unmeasured_and_lonely_workers_are_not_judged_and_reset_forgets() -> Non
 
 
 def test_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="1 < leave < enter"):
-        SpeedSettings(enter=1.1, leave=1.2)
+    with pytest.raises(ConfigError, match="1 < leave < enter"):
+        FailSlowConfig(enter=1.1, leave=1.2)
