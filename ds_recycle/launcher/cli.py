@@ -203,13 +203,21 @@ def run(args: argparse.Namespace) -> int:
     _setup_logging(args.node_rank)
     server = _early_fork_server(args)  # imports torch and DeepSpeed while this process imports torch and opens the store
     try:
-        return _run(args, server)
+        code, clean = _run(args, server)
     finally:
         if server is not None:
             server.close()
+    if not clean:  # a lease thread blocked in the store: the interpreter's shutdown would abort inside its C++ call
+        logger.warning("the store did not answer the lease's last call: leaving without interpreter shutdown")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
-def _run(args: argparse.Namespace, server: ForkServer | None) -> int:
+def _run(args: argparse.Namespace, server: ForkServer | None) -> tuple[int, bool]:
+    """The job's exit code, and False when a lease thread outlived it (see :meth:`Lease.stop`)."""
     import torch  # deferred: `ds-recycle launch --help` stays fast
 
     from ds_recycle.launcher.hostwatch import Lease, NodeWatch
@@ -221,11 +229,11 @@ def _run(args: argparse.Namespace, server: ForkServer | None) -> int:
         job = build_job(args, args.master_port, cuda_devices)
         if args.dry_run:
             _print_dry_run(job, args)
-            return 0
+            return 0, True
         store = _open_store(job, args)
     except (ValueError, OSError) as err:  # HostfileError is a ValueError
         print(f"ds-recycle launch: error: {err}", file=sys.stderr)
-        return 2
+        return 2, True
     job = build_job(args, store.port, cuda_devices)
     _warn_if_node0_elsewhere(job)
     logger.info("store at %s:%d; node %d of %d runs ranks %s of %d", job.master_addr, job.master_port,
@@ -251,9 +259,10 @@ def _run(args: argparse.Namespace, server: ForkServer | None) -> int:
         except (RuntimeError, OSError) as err:
             print(f"ds-recycle launch: error: the store at {job.master_addr}:{job.master_port} went away: {err}",
                   file=sys.stderr)
-            return 2
-    return Supervisor(job, store, workers, remotes, hosts_store=node0, others=others, watch=watch, lease=lease,
-                      lease_store=lease_store, rejoin=rejoin).run()
+            return 2, True
+    supervisor = Supervisor(job, store, workers, remotes, hosts_store=node0, others=others, watch=watch, lease=lease,
+                            lease_store=lease_store, rejoin=rejoin)
+    return supervisor.run(), supervisor.lease_ended
 
 
 def _early_fork_server(args: argparse.Namespace) -> ForkServer | None:

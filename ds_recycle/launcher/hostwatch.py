@@ -174,6 +174,7 @@ class Lease:
         self.last_ok = time.monotonic()
         self.error: BaseException | None = None
         self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
 
     def connect(self) -> Store:
         """The lease's own client of the (running) store."""
@@ -189,11 +190,20 @@ class Lease:
         self.beating = beating
         self.last_ok = time.monotonic()
         for target, name in ((self._beat_loop, "lease beat"), (self._watch_loop, "lease watch")):
-            threading.Thread(target=target, args=(store, on_fence) if name == "lease watch" else (store,),
-                             name=name, daemon=True).start()
+            thread = threading.Thread(target=target, args=(store, on_fence) if name == "lease watch" else (store,),
+                                      name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 2.0) -> bool:
+        """End both threads; True when they ended within ``join_s``. False: one is blocked in a store call (a
+        silent link never times out): the process must then leave with :func:`os._exit`, since the interpreter's
+        shutdown ends such a thread inside the store's C++ code and aborts the process (SIGABRT)."""
         self._stop.set()
+        deadline = time.monotonic() + join_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     def _beat_loop(self, store: Store) -> None:
         key = node_hb_key(self.node_rank)

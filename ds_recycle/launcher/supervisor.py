@@ -132,6 +132,8 @@ class Supervisor:
         self._t0 = time.monotonic()
         self.watch = watch
         self.lease = lease
+        self.lease_ended = True
+        """False after :meth:`run` when a lease thread was still blocked in the store (see :meth:`Lease.stop`)."""
         self.lease_store = lease_store if lease_store is not None else store
         self._rejoining = rejoin
         self._cut_off_s: float | None = None
@@ -166,6 +168,8 @@ class Supervisor:
             logger.exception("the launcher failed; killing every worker")
             self._send_all(signal.SIGKILL, remotes=True)
             raise
+        finally:
+            self.lease_ended = self.lease is None or self.lease.stop()
         for worker in self._children():
             worker.join_output(_OUTPUT_DRAIN_S)
         return self._report()
