@@ -49,7 +49,7 @@ from ds_recycle.engine.backward import (
 )
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
-from ds_recycle.engine.op_clock import KINDS, OpClock, stage_costs, timed_kind
+from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs, timed_kind
 from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
 from ds_recycle.engine.position import IterationProgress, KeptWork, Position
@@ -197,9 +197,11 @@ class RecyclePipelineEngine(PipelineEngine):
         self.repair: Repair | None = None
         """When set, the next ``train_batch`` runs only what is left of the interrupted iteration."""
         self.op_seconds: dict[str, list[float]] | None = None
-        """When a dict, each executed instruction's wall time is appended under its class name."""
+        """When a dict, each executed instruction's time (:attr:`timer`) is appended under its class name."""
         self.clock: OpClock | None = OpClock() if self.device.type == "cpu" else None
-        """This worker's F, B, W and O wall times (:mod:`ds_recycle.engine.op_clock`; CPU devices only)."""
+        """This worker's F, B, W and O times (:mod:`ds_recycle.engine.op_clock`; CPU devices only)."""
+        self.timer = DeviceTimer()
+        """Times instructions on the thread that builds the engine and trains: wall time less run-queue waits."""
         self.throttle = 1.0
         """Fault injection of a slow accelerator (``recycle.faults`` with ``slow``): each timed compute instruction
         is followed by ``throttle - 1`` times its own duration of sleep (CPU devices, where instructions are timed)."""
@@ -624,6 +626,7 @@ class RecyclePipelineEngine(PipelineEngine):
             return
         self._closed = True
         self.driver.close()
+        self.timer.close()
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
@@ -640,9 +643,9 @@ class RecyclePipelineEngine(PipelineEngine):
                 if self.op_seconds is None and kind is None:
                     MethodType(handler, self)(**cmd.kwargs)
                     continue
-                start = time.perf_counter()
+                start = self.timer.now()
                 MethodType(handler, self)(**cmd.kwargs)
-                seconds = time.perf_counter() - start
+                seconds = self.timer.now() - start
                 if self.throttle != 1.0 and kind is not None:  # an injected slow accelerator
                     time.sleep(seconds * (self.throttle - 1.0))
                     seconds *= self.throttle
@@ -675,7 +678,7 @@ class RecyclePipelineEngine(PipelineEngine):
         return stage_costs(rows)
 
     def enable_op_timing(self) -> None:
-        """Start recording per-instruction wall times in :attr:`op_seconds`."""
+        """Start recording per-instruction times in :attr:`op_seconds`."""
         self.op_seconds = defaultdict(list)
 
     # ------------------------------------------------------------------ IO and compute

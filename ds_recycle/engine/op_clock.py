@@ -1,12 +1,18 @@
 """Each worker times its own F, B, W and optimizer step, so that a job can hand the planner its own costs.
 
-:class:`OpClock` keeps, for the last ``window`` iterations, the wall time of each compute instruction the worker
-ran, by kind: ``F`` (a micro-batch's forward), ``B`` (input gradients), ``W`` (weight gradients), ``BW`` (a fused
+:class:`OpClock` keeps, for the last ``window`` iterations, the time each compute instruction the worker ran
+took, by kind: ``F`` (a micro-batch's forward), ``B`` (input gradients), ``W`` (weight gradients), ``BW`` (a fused
 backward, 1F1B) and ``O`` (the optimizer step with its gradient all-reduce), and the iteration's wall time.
-Reading ``time.perf_counter`` around an instruction that already ran to completion costs two calls; the clock
-therefore runs on CPU devices only, where an instruction's wall time is its compute time (on a GPU an
-instruction returns once its kernels are queued, and timing it would need a synchronisation the engine does not
-otherwise make: not measured there yet).
+The clock runs on CPU devices only, where an instruction returns when its compute is done (on a GPU it returns
+once its kernels are queued, and timing it would need a synchronisation the engine does not otherwise make: not
+measured there yet).
+
+An instruction's time is read with a :class:`DeviceTimer`: wall time less the time the worker's thread waited
+for a core (Linux's per-thread run-queue wait, ``/proc/thread-self/schedstat``). A CPU job with more workers than
+cores (tests, the demo) shares the cores by the OS scheduler's whim: measured on a 2 x 3 job on 2 cores, the wall
+time of one worker's ops over those of its stage's peers swung from 0.3 to 2.7 from one iteration to the next.
+Without the wait the time is what the op would take on a core of its own: the worker's own speed, a sleeping
+(emulated or throttled) device included. Where the file is missing it is plain wall time.
 
 :meth:`OpClock.medians` gives the medians per kind; :func:`stage_costs` turns every worker's medians, summed over
 the members with their counts, into a :class:`~ds_recycle.plan.costs.CostModel` (a stage's value is the mean of
@@ -14,7 +20,9 @@ its replicas' medians; a fused backward with no separate B and W counts as half 
 """
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +32,7 @@ import torch
 from ds_recycle.engine import instructions as ins
 from ds_recycle.plan.costs import CostModel
 
-__all__ = ["KINDS", "OpClock", "stage_costs", "timed_kind"]
+__all__ = ["KINDS", "DeviceTimer", "OpClock", "stage_costs", "timed_kind"]
 
 KINDS = ("F", "B", "W", "BW", "O")
 """The kinds timed, in the order of the rows :meth:`OpClock.as_row` writes."""
@@ -44,8 +52,45 @@ def timed_kind(cmd: Any, weights_pending: Callable[[int], bool]) -> str | None:
     return _TIMED.get(type(cmd))
 
 
+class DeviceTimer:
+    """Seconds on a clock that stands still while the creating thread waits for a core (see the module docstring).
+
+    Reads cost about a microsecond (one ``pread`` of an open procfs file). Create it on the thread it times."""
+
+    _SCHEDSTAT = "/proc/thread-self/schedstat"
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        try:
+            fd = os.open(self._SCHEDSTAT, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            int(os.pread(fd, 128, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            os.close(fd)
+            return
+        self._fd = fd
+
+    @property
+    def excludes_waits(self) -> bool:
+        """False where run-queue waits cannot be read (not Linux): :meth:`now` is then wall time."""
+        return self._fd is not None
+
+    def now(self) -> float:
+        if self._fd is None:
+            return time.perf_counter()
+        waited_ns = int(os.pread(self._fd, 128, 0).split()[1])
+        return time.perf_counter() - waited_ns * 1e-9
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class OpClock:
-    """Wall times of this worker's compute instructions over the last ``window`` iterations."""
+    """Times of this worker's compute instructions over the last ``window`` iterations (:class:`DeviceTimer`)."""
 
     def __init__(self, window: int = 20) -> None:
         if window < 1:
@@ -73,8 +118,8 @@ class OpClock:
         return {kind: statistics.median(values) for kind, values in pooled.items() if values}
 
     def pace(self) -> float:
-        """Wall seconds of F, B and W (fused or not) per forwarded micro-batch in the last closed iteration that had
-        one timed; 0.0 before any. A worker's speed whatever its load (:mod:`ds_recycle.resilience.speed`)."""
+        """Seconds of F, B and W (fused or not) per forwarded micro-batch in the last closed iteration that had one
+        timed; 0.0 before any. A worker's speed whatever its load (:mod:`ds_recycle.resilience.speed`)."""
         for iteration in reversed(self._done):
             forwards = len(iteration.get("F", ()))
             if forwards:

@@ -1,7 +1,8 @@
 """Fail-slow detection: which live worker is persistently slower than its stage's peers, and by how much.
 
-Each iteration every member contributes one number, its *pace*: the wall seconds its F, B and W took per
-micro-batch in the last full iteration (:meth:`~ds_recycle.engine.op_clock.OpClock.pace`, CPU devices only).
+Each iteration every member contributes one number, its *pace*: the seconds its F, B and W took per micro-batch
+in the last full iteration (:meth:`~ds_recycle.engine.op_clock.OpClock.pace`, CPU devices only; time spent
+waiting for a core does not count, so oversubscribed cores do not make a worker look slow).
 The members sum the paces into one vector (each worker writes only its own slot), so every member holds the same
 vector and :class:`SpeedWatch` makes the same decisions everywhere: no agreement round is needed, and the plan
 switches at the same iteration boundary on every member.

@@ -1,10 +1,15 @@
 """The per-worker clock of F, B, W and O, and the costs per stage made from every worker's medians."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
-from ds_recycle.engine.op_clock import KINDS, OpClock, stage_costs
+from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs
 
 
 def test_medians_over_the_window_and_the_repaired_iteration_left_out() -> None:
@@ -43,3 +48,33 @@ def test_a_stage_without_a_forward_gives_no_costs() -> None:
     assert stage_costs(rows) is None
     with pytest.raises(ValueError, match="window=0"):
         OpClock(window=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="run-queue waits are read from Linux's procfs")
+def test_device_timer_counts_sleeps_but_not_waits_for_a_core() -> None:
+    """This process and a busy child share one core: a fixed amount of work takes about twice its wall time, and
+    the timer counts about the work alone; a sleep (an emulated or throttled device) counts in full."""
+    timer = DeviceTimer()
+    assert timer.excludes_waits
+    try:
+        before = timer.now()
+        time.sleep(0.2)
+        assert timer.now() - before >= 0.19
+        core = sorted(os.sched_getaffinity(0))[0]
+        old = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {core})
+        hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+        try:
+            time.sleep(0.3)  # the child runs
+            wall, timed, work = time.perf_counter(), timer.now(), time.process_time()
+            while time.process_time() - work < 0.4:  # 0.4 s of this thread's own CPU time
+                pass
+            wall, timed = time.perf_counter() - wall, timer.now() - timed
+        finally:
+            hog.kill()
+            hog.wait(10)
+            os.sched_setaffinity(0, old)
+        assert wall > 0.6, f"the child did not compete for the core ({wall:.2f} s wall for 0.4 s of CPU)"
+        assert 0.35 < timed < 0.6, f"timer {timed:.2f} s for 0.4 s of work ({wall:.2f} s wall)"
+    finally:
+        timer.close()
