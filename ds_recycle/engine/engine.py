@@ -645,7 +645,7 @@ class RecyclePipelineEngine(PipelineEngine):
                     continue
                 start = self.timer.now()
                 MethodType(handler, self)(**cmd.kwargs)
-                seconds = self.timer.now() - start
+                seconds = max(0.0, self.timer.now() - start)
                 if self.throttle != 1.0 and kind is not None:  # an injected slow accelerator
                     time.sleep(seconds * (self.throttle - 1.0))
                     seconds *= self.throttle

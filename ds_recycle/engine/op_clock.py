@@ -80,8 +80,17 @@ class DeviceTimer:
     def now(self) -> float:
         if self._fd is None:
             return time.perf_counter()
-        waited_ns = int(os.pread(self._fd, 128, 0).split()[1])
-        return time.perf_counter() - waited_ns * 1e-9
+        waited = self._waited_ns()
+        while True:  # a wait for a core between the two reads would count against the wrong side: read again
+            wall = time.perf_counter()
+            again = self._waited_ns()
+            if again == waited:
+                return wall - waited * 1e-9
+            waited = again
+
+    def _waited_ns(self) -> int:
+        assert self._fd is not None
+        return int(os.pread(self._fd, 128, 0).split()[1])
 
     def close(self) -> None:
         if self._fd is not None:
