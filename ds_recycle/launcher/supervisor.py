@@ -128,6 +128,8 @@ class Supervisor:
         self._fences_seen = 0
         self._restart_all_seen = 0
         self._restart_all_pending: set[int] = set()
+        self._started_in: dict[int, int] = {}
+        """rank -> the generation its running (or last) process was started in"""
         self._lingering = False
         self._t0 = time.monotonic()
         self.watch = watch
@@ -155,7 +157,8 @@ class Supervisor:
                     logger.warning("node %d ran before (its host was lost): its ranks start as restarts once the "
                                    "store's node watch has declared it lost", self.job.node_rank)
                 for worker in [] if self._rejoining else self._children():  # a returning node 0: the others run
-                    worker.start()
+                    env = {} if worker.spec.rank is None else self._note_generation(worker.spec.rank)
+                    worker.start(extra_env=env)
                     logger.info("started %s as pid %s", worker.spec.name, worker.pid)
                 self._session_node = {w.pid: k for k, w in enumerate(self.remotes, start=1) if w.pid is not None}
                 while self._busy():
@@ -243,6 +246,7 @@ class Supervisor:
             logger.warning("%s: the ssh connection was lost; its ranks are judged by the node watch", exit.name)
             return
         if exit.kind is ExitKind.LOST and exit.rank is not None and not self.hosts_store_lost():
+            self._restart_start_up(exit)
             seen = self._restart_all_seen  # workers ask for the fallback just before they leave: look now, or the
             try:  # job could end (every rank lost) before the next poll sees the request
                 self._poll_restart_all()
@@ -342,10 +346,39 @@ class Supervisor:
                        "once it is lost", generation)
         self._reap()
         self._restart_all_pending = set(self.workers)
+        if self.store.check([keys.start_up_restart_key(generation)]):
+            running = [w for w in self.workers.values() if w.running]
+            if running:  # blocked in the old generation's start-up: they cannot leave by themselves
+                logger.warning("SIGKILL to ranks %s (blocked in the start-up of generation %d)",
+                               [w.spec.rank for w in running], generation - 1)
+                for worker in running:
+                    worker.send_signal(signal.SIGKILL)
         for rank, worker in sorted(self.workers.items()):
             last = next((e for e in reversed(self.exits) if e.rank == rank), None)
             if not worker.running and last is not None and last.kind is ExitKind.LOST:
                 self._restart_for_fallback(rank)
+
+    def _note_generation(self, rank: int) -> dict[str, str]:
+        """The job's generation as ``rank`` starts: remembered, and told to the process (a process started for an
+        older generation than the job's leaves at once instead of joining a start-up it does not belong to)."""
+        try:
+            self._started_in[rank] = 0 if self._store_lost else keys.generation(self.store)
+        except (RuntimeError, OSError):
+            return {}  # the store is gone: no restart can be asked of it either
+        return {keys.GENERATION_ENV: str(self._started_in[rank])}
+
+    def _restart_start_up(self, exit: WorkerExit) -> None:
+        """A rank lost before its generation's start-up was over: every rank starts again (the others are blocked
+        in group building, which no failure handler guards yet); see :func:`keys.request_start_up_restart`."""
+        assert exit.rank is not None
+        generation = self._started_in.get(exit.rank, 0)
+        try:
+            if keys.note_start_up_death(self.store, generation):
+                logger.warning("%s was lost during the start-up of generation %d: every rank starts again as "
+                               "generation %d", exit.name, generation, generation + 1,
+                               extra={"event": "start_up_restart", "rank": exit.rank, "generation": generation + 1})
+        except (RuntimeError, OSError) as err:
+            logger.error("could not ask for a restart of the start-up: %s", err)
 
     def _restart_for_fallback(self, rank: int) -> None:
         self._restart_all_pending.discard(rank)
@@ -515,7 +548,8 @@ class Supervisor:
             self.store.delete_key(keys.exit_key(rank))  # the key means "this rank's process is gone"
         except (RuntimeError, OSError) as err:
             logger.error("could not record the restart of rank %d in the store: %s", rank, err)
-        worker.start(count, {"DS_RECYCLE_RESTART_COUNT": str(count), "TORCHELASTIC_RESTART_COUNT": str(count)})
+        worker.start(count, {"DS_RECYCLE_RESTART_COUNT": str(count), "TORCHELASTIC_RESTART_COUNT": str(count),
+                             **self._note_generation(rank)})
         logger.info("restarted rank %d as pid %s (restart %d)", rank, worker.pid, count)
 
     def _stop(self, reason: str) -> None:

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_recycle.runtime.job_store import GENERATION_ENV, GENERATION_KEY, begin_resilient_start_up
+
 __all__ = ["GENERATION_KEY", "LOST_EXIT_CODE", "WorldStart", "init_generation_world", "load_stage", "save_stage", "write_latest"]
 
 logger = logging.getLogger(__name__)
 
-GENERATION_KEY = "ds_recycle/generation"
 """Store counter: how many times the whole job fell back to a checkpoint."""
 LOST_EXIT_CODE = int(os.environ.get("DS_RECYCLE_LOST_EXIT_CODE", "75"))
 
@@ -101,7 +102,14 @@ def init_generation_world(timeout_s: float) -> WorldStart:
     if int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")) > 0 and store.check([mine]):
         if generation <= int(store.get(mine)):
             return WorldStart.REJOIN
+    started_for = int(os.environ.get(GENERATION_ENV, str(generation)))
+    if started_for < generation:  # the job restarted every rank while this process started: its launcher restarts it
+        logger.warning("started for generation %d, but the job is at generation %d: leaving as lost (exit %d)",
+                       started_for, generation, LOST_EXIT_CODE)
+        os._exit(LOST_EXIT_CODE)
     store.set(mine, str(generation))
+    if begin_resilient_start_up(store, generation):
+        logger.warning("a rank was lost during the start-up of generation %d: every rank starts again", generation)
     if generation == 0:
         return WorldStart.FRESH
     logger.warning("generation %d: joining the restarted job from its checkpoint", generation)

@@ -28,37 +28,29 @@ __all__ = ["carried_events", "carry_events", "fallback_directory", "hand_over_di
 logger = logging.getLogger(__name__)
 
 
-def _key(generation: int) -> str:
-    return f"ds_recycle/gen{generation}/carried_events"
-
-
 def carry_events(store: dist.Store, generation: int, writer: bool, events: Sequence[dict[str, Any]]) -> None:
     """Hand ``events`` to generation ``generation`` (one survivor, ``writer``, does: they all hold the same)."""
     if writer:
-        store.set(_key(generation), json.dumps(list(events)))
+        store.set(launcher_store.carried_events_key(generation), json.dumps(list(events)))
 
 
 def carried_events(store: dist.Store, generation: int) -> list[dict[str, Any]]:
     """The events the previous generation handed over (empty for generation 0 or when none were)."""
-    if generation == 0 or not store.check([_key(generation)]):
+    if generation == 0 or not store.check([launcher_store.carried_events_key(generation)]):
         return []
-    return list(json.loads(store.get(_key(generation))))
-
-
-def _directory_key(generation: int) -> str:
-    return f"ds_recycle/gen{generation}/fallback_directory"
+    return list(json.loads(store.get(launcher_store.carried_events_key(generation))))
 
 
 def hand_over_directory(store: dist.Store, generation: int, directory: str) -> None:
     """Tell generation ``generation`` which checkpoint directory it resumes from."""
-    store.set(_directory_key(generation), directory)
+    store.set(launcher_store.fallback_directory_key(generation), directory)
 
 
 def fallback_directory(store: dist.Store, generation: int) -> str | None:
     """The checkpoint directory the previous generation fell back to (None: generation 0, or none named)."""
-    if generation == 0 or not store.check([_directory_key(generation)]):
+    if generation == 0 or not store.check([launcher_store.fallback_directory_key(generation)]):
         return None
-    return bytes(store.get(_directory_key(generation))).decode()
+    return bytes(store.get(launcher_store.fallback_directory_key(generation))).decode()
 
 
 def request_restart_all(store: dist.Store, generation: int) -> None:

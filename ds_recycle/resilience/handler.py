@@ -74,6 +74,7 @@ from ds_recycle.resilience.phases import (
     Job,
     agree,
     detect,
+    end_start_up,
     install,
     regroup,
     rerouted,
@@ -94,6 +95,7 @@ from ds_recycle.resilience.speed import SpeedWatch
 from ds_recycle.resilience.store import StoreKeys, connect_store, incarnation
 from ds_recycle.resilience.transport import LossRider
 from ds_recycle.resilience.watchdog import Watchdog
+from ds_recycle.runtime.job_store import request_start_up_restart
 
 __all__ = ["FailureHandler"]
 
@@ -204,8 +206,25 @@ class FailureHandler:
         if rejoining:
             self._join()
         else:
-            self._install(regroup(self.job, 0, self.members, "", self.rider), engine.plan)
+            self._install(self._found(), engine.plan)
         self.state = HandlerState.TRAINING
+
+    def _found(self) -> Epoch:
+        """The first epoch, among every rank; then the start-up is over (:func:`~ds_recycle.resilience.phases.end_start_up`).
+
+        A member lost before that cannot be recovered from here (others may still be blocked in DeepSpeed's group
+        building, which nothing guards): every rank starts again as the next generation, which the launchers carry
+        out; this one leaves as lost and is started again with the others."""
+        job = self.job
+        try:
+            epoch = regroup(job, 0, self.members, "", self.rider)
+            end_start_up(job, len(self.members))
+        except PeerFailure as e:
+            logger.error("a member was lost during the start-up (%s): every rank starts again; leaving as lost "
+                         "(exit %d)", e, ckpt.LOST_EXIT_CODE)
+            request_start_up_restart(job.store, job.generation)
+            self._exit(ckpt.LOST_EXIT_CODE)
+        return epoch
 
     # ------------------------------------------------------------------ the engine's driver
     def train_batch(self) -> torch.Tensor:

@@ -37,8 +37,10 @@ from ds_recycle.resilience.store import StoreKeys, connect_store
 from ds_recycle.resilience.transport import EpochComm, EpochTransport, LossRider
 from ds_recycle.resilience.watchdog import Watchdog, run_guarded, watch_members
 from ds_recycle.runtime.grid import WorkerMap
+from ds_recycle.runtime.job_store import started_key
 
-__all__ = ["Agreement", "Detection", "Epoch", "HandlerState", "Job", "agree", "detect", "install", "regroup"]
+__all__ = ["Agreement", "Detection", "Epoch", "HandlerState", "Job", "agree", "detect", "end_start_up", "install",
+           "regroup"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +186,26 @@ def regroup(job: Job, number: int, members: Sequence[int], tag: str, rider: Loss
     job.watchdog.guard(comm.groups)
     grid = EpochGrid(workers, job.rank, comm)
     return Epoch(number, tuple(sorted(members)), workers, comm, grid, EpochTransport(comm, job.rank, rider))
+
+
+def end_start_up(job: Job, members: int, poll_s: float = 0.002) -> None:
+    """The first epoch is built on this rank: wait (bounded, watched) until it is on all ``members``, then mark the
+    generation's start-up over (``ds_recycle/gen<g>/started``, :mod:`ds_recycle.runtime.job_store`).
+
+    No member trains before every member has counted itself, so a rank lost once any member trains is always lost
+    after the mark, and recovered from by the failure handlers; one lost before it makes every rank start again.
+    Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when a member dies or the wait runs out.
+    """
+    key = job.keys.started_count
+    job.store.add(key, 1)
+    deadline = time.monotonic() + job.timeout_s
+    while int(job.store.add(key, 0)) < members:
+        if job.watchdog.failed():
+            raise PeerFailure(f"a member was lost during the start-up: {job.watchdog.reason()}")
+        if time.monotonic() > deadline:
+            raise PeerFailure(f"the start-up's last members did not count themselves within {job.timeout_s} s")
+        time.sleep(poll_s)
+    job.store.set(started_key(job.generation), "1")
 
 
 def install(engine: Any, epoch: Epoch, plan: Any, reporter: int | None = None) -> None:

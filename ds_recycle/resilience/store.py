@@ -60,6 +60,12 @@ class StoreKeys:
         return f"{self.root}/epoch/{epoch}/report/{rank}"
 
     @property
+    def started_count(self) -> str:
+        """Counter of the ranks whose first epoch is built (the start-up barrier of
+        :func:`~ds_recycle.resilience.phases.end_start_up`)."""
+        return f"{self.root}/started_count"
+
+    @property
     def join_requests(self) -> str:
         return f"{self.root}/join/requests"
 

@@ -41,6 +41,19 @@ Keys the launchers write (the failure handler of the workers reads them; all val
                                     ``--max_restarts``), whether or not ``--restart_failed_after`` is set.
 ``ds_recycle/fence_requests``       counter (``store.add``) of fence requests so far, polled like
                                     ``restart_requests``.
+``ds_recycle/generation``           ``"<g>"``: the job's generation (how many times every rank was started again);
+                                    moved on with ``compare_set`` by whoever restarts the job.
+``ds_recycle/gen<g>/started``       generation g's workers are past their start-up: every rank built its engine
+                                    and the first epoch's groups. Before it, a lost rank cannot be recovered from
+                                    (the others block in ``torch.distributed``'s and DeepSpeed's group building):
+                                    the job starts again as generation g + 1 (:func:`request_start_up_restart`).
+``ds_recycle/gen<g>/start_up_restart``  generation g is a restart of the previous one's start-up: each launcher
+                                    SIGKILLs its ranks still running (blocked in the old start-up), then starts
+                                    them again with the others (``restart_all``).
+``ds_recycle/gen<g>/resilient``     a rank of generation g started a ds_recycle worker (``init_worker``): the job
+                                    is one whose start-up may be restarted (a plain script under the launcher is
+                                    never restarted as a whole).
+``ds_recycle/gen<g>/start_up_deaths``  counter of ranks of generation g lost before its start-up was over.
 ==================================  ==============================================================================
 
 The keys of hosts as units of failure (node heartbeats, ``node_lost``, the job's layout and node timeout, host
@@ -60,9 +73,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported only when a store is opened, so the key names cost nothing to import
     from torch.distributed import Store, TCPStore
 
-__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "RESTART_ALL_KEY", "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY",
-           "connect_store", "exit_key", "exit_queue_key", "fence_key", "host_store", "node_key", "publish_exit_count",
-           "read_int", "restart_request_key", "restart_result_key", "restarted_key"]
+__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "GENERATION_ENV", "GENERATION_KEY", "RESTART_ALL_KEY", "RESTART_REQUESTS_KEY",
+           "STOP_KEY", "WORLD_SIZE_KEY", "begin_resilient_start_up", "carried_events_key", "connect_store",
+           "exit_key", "exit_queue_key", "fallback_directory_key", "fence_key", "generation", "host_store",
+           "node_key", "note_start_up_death", "publish_exit_count", "read_int", "request_start_up_restart",
+           "resilient_key", "restart_request_key", "restart_result_key", "restarted_key", "start_up_deaths_key",
+           "start_up_restart_key", "started_key"]
 
 EXITS_KEY = "ds_recycle/exits"
 STOP_KEY = "ds_recycle/stop"
@@ -70,6 +86,77 @@ WORLD_SIZE_KEY = "ds_recycle/world_size"
 RESTART_REQUESTS_KEY = "ds_recycle/restart_requests"
 FENCE_REQUESTS_KEY = "ds_recycle/fence_requests"
 RESTART_ALL_KEY = "ds_recycle/restart_all"
+GENERATION_KEY = "ds_recycle/generation"
+GENERATION_ENV = "DS_RECYCLE_GENERATION"
+"""The generation a worker process was started for (its launcher sets it)."""
+
+
+def started_key(generation: int) -> str:
+    """Set once generation ``generation``'s start-up is over (see the table above)."""
+    return f"ds_recycle/gen{generation}/started"
+
+
+def start_up_restart_key(generation: int) -> str:
+    return f"ds_recycle/gen{generation}/start_up_restart"
+
+
+def fallback_directory_key(generation: int) -> str:
+    """The checkpoint directory generation ``generation`` resumes from (a fallback names it)."""
+    return f"ds_recycle/gen{generation}/fallback_directory"
+
+
+def carried_events_key(generation: int) -> str:
+    """The events a fallback hands to generation ``generation`` (JSON, :mod:`ds_recycle.resilience.fallback`)."""
+    return f"ds_recycle/gen{generation}/carried_events"
+
+
+def generation(store: Store) -> int:
+    """The job's current generation (0 until the first restart of every rank)."""
+    return int(store.add(GENERATION_KEY, 0))
+
+
+def resilient_key(generation: int) -> str:
+    return f"ds_recycle/gen{generation}/resilient"
+
+
+def start_up_deaths_key(generation: int) -> str:
+    return f"ds_recycle/gen{generation}/start_up_deaths"
+
+
+def note_start_up_death(store: Store, generation: int) -> bool:
+    """A launcher saw a rank of ``generation`` lost: count it if the start-up was not over, and restart every rank if
+    the job is a ds_recycle one. True when a start-up restart stands.
+
+    With :func:`begin_resilient_start_up` this is a handshake (each writes, then reads the other's key): a death
+    before any rank said the job is resilient is found by the first one that says it."""
+    if store.check([started_key(generation)]):
+        return False
+    store.add(start_up_deaths_key(generation), 1)
+    return store.check([resilient_key(generation)]) and request_start_up_restart(store, generation)
+
+
+def begin_resilient_start_up(store: Store, generation: int) -> bool:
+    """A ds_recycle worker of ``generation`` begins its start-up; True when a rank was lost already (a start-up
+    restart now stands: its launcher will SIGKILL this process)."""
+    store.set(resilient_key(generation), "1")
+    return int(store.add(start_up_deaths_key(generation), 0)) > 0 and request_start_up_restart(store, generation)
+
+
+def request_start_up_restart(store: Store, dead_in: int) -> bool:
+    """A rank of generation ``dead_in`` was lost before that generation's start-up was over: start every rank again
+    as generation ``dead_in + 1``. True when the request stands (this call or a concurrent one for the same
+    generation made it); False when the start-up was over (the failure handlers recover from the loss) or the job
+    has moved on already."""
+    if store.check([started_key(dead_in)]) or generation(store) != dead_in:
+        return False
+    if store.compare_set(GENERATION_KEY, str(dead_in), str(dead_in + 1)).decode() != str(dead_in + 1):
+        return False
+    for carried in (fallback_directory_key, carried_events_key):  # a fallback's start-up: the next one resumes alike
+        if store.check([carried(dead_in)]):
+            store.set(carried(dead_in + 1), store.get(carried(dead_in)).decode())
+    store.set(start_up_restart_key(dead_in + 1), "1")
+    store.set(RESTART_ALL_KEY, str(dead_in + 1))
+    return True
 
 
 def exit_key(rank: int) -> str:
