@@ -281,19 +281,7 @@ def _vanilla(args: Any, model: PipelineModule, optimizer: Any, model_parameters:
                                        lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=plain,
                                        distributed_port=distributed_port, dist_init_required=dist_init_required,
                                        mpu=mpu, mesh_param=mesh_param))
-    _end_vanilla_start_up()
+    from ds_recycle.resilience.world import end_start_up_without_handler
+
+    end_start_up_without_handler()
     return built
-
-
-def _end_vanilla_start_up() -> None:
-    """Under ``ds-recycle launch``, DeepSpeed's own engine ends the start-up once built: a later loss is not met by
-    restarting every rank (it has no failure handler; see ``ds_recycle/gen<g>/started``)."""
-    from ds_recycle.resilience.world import under_recycle_launcher
-
-    if not under_recycle_launcher():
-        return
-    from ds_recycle.resilience.store import connect_store
-    from ds_recycle.runtime.job_store import generation, started_key
-
-    store = connect_store()
-    store.set(started_key(generation(store)), "1")

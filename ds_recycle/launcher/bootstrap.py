@@ -41,9 +41,23 @@ def _recycle_init_distributed(*args: Any, **kwargs: Any) -> None:
     init_worker(timeout_s=timeout.total_seconds() if isinstance(timeout, timedelta) else 600.0)
 
 
+def _ended_start_up(initialize: Any) -> Any:
+    """``deepspeed.initialize`` that ends the start-up once DeepSpeed's engine is built (a stock script has no
+    failure handler: a loss after that is not met by restarting every rank)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        built = initialize(*args, **kwargs)
+        from ds_recycle.resilience.world import end_start_up_without_handler
+
+        end_start_up_without_handler()
+        return built
+    run.__wrapped__ = initialize  # type: ignore[attr-defined]
+    return run
+
+
 def _patch(deepspeed: ModuleType) -> None:
     deepspeed.init_distributed = _recycle_init_distributed  # type: ignore[attr-defined]
     deepspeed.comm.init_distributed = _recycle_init_distributed
+    deepspeed.initialize = _ended_start_up(deepspeed.initialize)  # type: ignore[attr-defined]
 
 
 def install_deepspeed_hook() -> None:

@@ -17,6 +17,7 @@ import os
 import shlex
 import socket
 import sys
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ds_recycle.launcher.forkserver import ForkServer
@@ -28,7 +29,7 @@ from ds_recycle.launcher.remote import default_env_files, exported_env, ssh_comm
 from ds_recycle.launcher.worker import OutputSink, Worker, WorkerSpec, pdeathsig_argv
 
 if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+    from torch.distributed import Store
 
 __all__ = ["add_arguments", "run", "build_job"]
 
@@ -62,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--store_service", action="store_true",
                        help="the store at --master_addr:--master_port is a `ds-recycle store` service (on a host "
                             "with no workers): node 0 connects to it instead of hosting it, so node 0 can be lost")
+    where.add_argument("--store", default=None, metavar="etcd://HOST:PORT,...[/NAMESPACE]",
+                       help="keep the job's coordination on this etcd cluster (v3 API; give every member) instead "
+                            "of a TCPStore in node 0's launcher; the namespace (default ds-recycle) is cleared when "
+                            "the job starts. One host for now")
     where.add_argument("--node_timeout", type=float, default=10.0,
                        help="a node whose launcher's heartbeat has not reached the store for this long is lost: "
                             "its ranks count as lost; a node cut off from the store SIGKILLs its own workers "
@@ -146,9 +151,25 @@ def build_job(args: argparse.Namespace, master_port: int, cuda_devices: int) -> 
     env = {**os.environ, **gloo_interface_env(master_addr, os.environ, len(layout.nodes) > 1)}
     job = JobSpec(layout, args.node_rank, master_addr, master_port, program, policy,
                   threads or None, log_ranks, env, cuda_available=cuda_devices > 0,
-                  node_timeout_s=args.node_timeout, store_service=args.store_service)
+                  node_timeout_s=args.node_timeout, store_service=args.store_service,
+                  store=_etcd_spec(args, layout))
     worker_specs(job)  # raises ValueError now for what only the per-rank environment can reveal
     return job
+
+
+def _etcd_spec(args: argparse.Namespace, layout: Layout) -> str | None:
+    """``--store`` checked and with its namespace (None: the launcher's own TCPStore)."""
+    if args.store is None:
+        return None
+    from ds_recycle.runtime.etcd_store import normal_spec
+
+    spec = normal_spec(args.store)
+    if args.store_service:
+        raise ValueError("--store and --store_service name two stores: give one")
+    if len(layout.nodes) > 1:
+        raise ValueError(f"--store {args.store}: a job of several hosts on an etcd store is not supported yet; use "
+                         "node 0's store (the default) or a `ds-recycle store` service (--store_service)")
+    return spec
 
 
 def _remote_workers(job: JobSpec, args: argparse.Namespace, sink: OutputSink) -> list[Worker]:
@@ -183,10 +204,21 @@ def _setup_logging(node_rank: int) -> None:
                             format=f"[ds-recycle launch node {node_rank}] %(asctime)s %(levelname)s %(message)s")
 
 
-def _open_store(job: JobSpec, args: argparse.Namespace) -> TCPStore:
-    """Node 0 hosts the store (``--master_port 0``: any free port); other nodes connect and announce themselves."""
+def _open_store(job: JobSpec, args: argparse.Namespace) -> Store:
+    """Node 0 hosts the store (``--master_port 0``: any free port); other nodes connect and announce themselves.
+    With ``--store etcd://...`` the store is the etcd cluster: node 0 clears the job's namespace."""
     from ds_recycle.runtime import job_store as stores
 
+    if job.store is not None:
+        from ds_recycle.runtime.etcd_store import EtcdStore
+
+        etcd = EtcdStore(job.store, timeout=timedelta(seconds=args.store_timeout))
+        try:
+            stale = etcd.clear()
+        except RuntimeError as err:  # DistStoreError: no member answered
+            raise OSError(f"--store {job.store}: {err}") from err
+        logger.info("etcd store %s: namespace cleared (%d keys of an earlier job)", job.store, stale)
+        return etcd
     if job.node_rank == 0 and not job.store_service:
         return stores.host_store(job.master_addr, args.master_port, args.store_timeout)
     if args.master_port == 0:
@@ -234,7 +266,7 @@ def _run(args: argparse.Namespace, server: ForkServer | None) -> tuple[int, bool
     except (ValueError, OSError) as err:  # HostfileError is a ValueError
         print(f"ds-recycle launch: error: {err}", file=sys.stderr)
         return 2, True
-    job = build_job(args, store.port, cuda_devices)
+    job = build_job(args, int(getattr(store, "port", None) or args.master_port or _DEFAULT_PORT), cuda_devices)
     _warn_if_node0_elsewhere(job)
     logger.info("store at %s:%d; node %d of %d runs ranks %s of %d", job.master_addr, job.master_port,
                 job.node_rank, len(job.layout.nodes), list(job.local_ranks), job.layout.world_size)

@@ -65,6 +65,8 @@ class JobSpec:
     """A node whose launcher's heartbeat has not moved for this long is lost (see :mod:`.hostwatch`)."""
     store_service: bool = False
     """The store is a ``ds-recycle store`` service at ``master_addr:master_port``: node 0 connects to it too."""
+    store: str | None = None
+    """``etcd://host:port,...[/namespace]``: the job's store is that etcd cluster (``--store``); None: a TCPStore."""
 
     def __post_init__(self) -> None:
         if not self.node_timeout_s > 0:
@@ -93,6 +95,9 @@ def worker_env(job: JobSpec, rank: int) -> dict[str, str]:
         "CUDA_VISIBLE_DEVICES": _visible_devices(node.slots, job.base_env.get("CUDA_VISIBLE_DEVICES")),
         "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
     })
+    if job.store is not None:  # WORLD is initialised over the etcd store itself, not env://'s TCPStore
+        env["DS_RECYCLE_STORE"] = job.store
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     if job.threads_per_worker is not None and "OMP_NUM_THREADS" not in job.base_env:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(job.threads_per_worker)
     if not job.cuda_available and "DS_ACCELERATOR" not in job.base_env:

@@ -55,6 +55,9 @@ def _seconds(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", default=None, metavar="etcd://HOST:PORT,...[/NAMESPACE]",
+                        help="the job's etcd store, as given to `ds-recycle launch --store` (instead of "
+                             "--master_addr/--master_port)")
     parser.add_argument("--master_addr", default="127.0.0.1",
                         help="address of the job's store, as given to `ds-recycle launch` (default 127.0.0.1)")
     parser.add_argument("--master_port", type=int, default=29500,
@@ -154,10 +157,20 @@ def _print(outcome: dict[int, RestartResult | str]) -> bool:
     return all(isinstance(r, RestartResult) and r.restarted for r in outcome.values())
 
 
-def run(args: argparse.Namespace) -> int:
-    where = f"{args.master_addr}:{args.master_port}"
+def _connect_etcd(spec: str, timeout_s: float) -> Store:
+    from ds_recycle.runtime.etcd_store import normal_spec
+
     try:
-        store = _connect(args.master_addr, args.master_port, args.connect_timeout)
+        return keys.open_store(normal_spec(spec), timeout_s)
+    except ValueError as err:
+        raise _BadInput(f"--store: {err}") from err
+
+
+def run(args: argparse.Namespace) -> int:
+    where = args.store or f"{args.master_addr}:{args.master_port}"
+    try:
+        store = (_connect_etcd(args.store, args.connect_timeout) if args.store is not None
+                 else _connect(args.master_addr, args.master_port, args.connect_timeout))
         _check_ranks(store, args.ranks, where)
         if store.check([keys.STOP_KEY]):
             print(f"ds-recycle restart: the job at {where} is being stopped "

@@ -371,6 +371,8 @@ class Supervisor:
         """A rank lost before its generation's start-up was over: every rank starts again (the others are blocked
         in group building, which no failure handler guards yet); see :func:`keys.request_start_up_restart`."""
         assert exit.rank is not None
+        if self.job.policy.strict:
+            return  # --strict: any loss stops the job
         generation = self._started_in.get(exit.rank, 0)
         try:
             if keys.note_start_up_death(self.store, generation):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_recycle.runtime.job_store import GENERATION_ENV, GENERATION_KEY, begin_resilient_start_up
+from ds_recycle.runtime.job_store import GENERATION_ENV, GENERATION_KEY, begin_resilient_start_up, is_etcd
 
 __all__ = ["GENERATION_KEY", "LOST_EXIT_CODE", "WorldStart", "init_generation_world", "load_stage", "save_stage", "write_latest"]
 
@@ -87,7 +87,8 @@ def load_stage(engine: Any, directory: str) -> int | None:
 def init_generation_world(timeout_s: float) -> WorldStart:
     """Initialise WORLD for this process under ``ds-recycle launch``, or say why not.
 
-    - generation 0, first process of the rank: nothing done, the usual env:// start-up applies (``FRESH``);
+    - generation 0, first process of the rank: nothing done, the usual env:// start-up applies (``FRESH``), but
+      on an etcd store (``--store etcd://...``), where WORLD is initialised over it like a later generation's;
     - the job fell back to a checkpoint since this rank last ran: WORLD is initialised under the current
       generation's store prefix (``GENERATION``);
     - the rank was restarted while the job trains on without it: it must *join* the running job
@@ -110,9 +111,10 @@ def init_generation_world(timeout_s: float) -> WorldStart:
     store.set(mine, str(generation))
     if begin_resilient_start_up(store, generation):
         logger.warning("a rank was lost during the start-up of generation %d: every rank starts again", generation)
-    if generation == 0:
-        return WorldStart.FRESH
-    logger.warning("generation %d: joining the restarted job from its checkpoint", generation)
+    if generation == 0 and not is_etcd(os.environ.get("DS_RECYCLE_STORE")):
+        return WorldStart.FRESH  # env://, through the launcher's TCPStore (torch's own keys, no prefix)
+    if generation:
+        logger.warning("generation %d: joining the restarted job from its checkpoint", generation)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"ds_recycle/gen{generation}/", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     return WorldStart.GENERATION

@@ -92,14 +92,14 @@ class StoreKeys:
         return launcher_store.restarted_key(rank)
 
 
-def connect_store(timeout_s: float = 30.0, address: str | None = None) -> dist.TCPStore:
-    """A new client of the launcher's store (``$DS_RECYCLE_STORE`` = ``host:port``, set by ``ds-recycle launch``)."""
+def connect_store(timeout_s: float = 30.0, address: str | None = None) -> dist.Store:
+    """A new client of the job's store (``$DS_RECYCLE_STORE``, set by ``ds-recycle launch``: ``host:port`` of its
+    TCPStore, or ``etcd://...`` with ``--store``)."""
     address = address or os.environ.get("DS_RECYCLE_STORE")
     if not address or ":" not in address:
         raise RuntimeError("DS_RECYCLE_STORE is not set to host:port: failure survival needs the store of "
                            "'ds-recycle launch' (the deepspeed launcher and torchrun kill survivors anyway)")
-    host, port = address.rsplit(":", 1)
-    return launcher_store.connect_store(host, int(port), timeout_s)
+    return launcher_store.open_store(address, timeout_s)
 
 
 def incarnation(store: dist.Store, keys: StoreKeys, rank: int) -> int:

@@ -19,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["World", "disable_cpu_jit_ops", "init_worker", "under_recycle_launcher"]
+__all__ = ["World", "disable_cpu_jit_ops", "end_start_up_without_handler", "init_worker", "under_recycle_launcher"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,19 @@ _WORLD: World | None = None
 def under_recycle_launcher() -> bool:
     """True in a worker started by ``ds-recycle launch`` (whose store outlives every worker)."""
     return os.environ.get("DS_RECYCLE_LAUNCHER") == "1" and bool(os.environ.get("DS_RECYCLE_STORE"))
+
+
+def end_start_up_without_handler() -> None:
+    """Under ``ds-recycle launch``, an engine without ds_recycle's failure handler (DeepSpeed's own, a stock script
+    or ``"recycle": {"enabled": false}``) ends the generation's start-up once built: a loss before restarts every
+    rank, a later one does not (there is no handler to recover from it; see ``ds_recycle/gen<g>/started``)."""
+    if not under_recycle_launcher():
+        return
+    from ds_recycle.resilience.store import connect_store
+    from ds_recycle.runtime.job_store import generation, started_key
+
+    store = connect_store()
+    store.set(started_key(generation(store)), "1")
 
 
 def disable_cpu_jit_ops() -> None:

@@ -27,6 +27,7 @@ harmless.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import threading
 import time
@@ -34,11 +35,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, cast
 
+import requests
 import torch.distributed as dist
 from etcd3gw import exceptions as ex
 from etcd3gw.client import Etcd3Client
 
-__all__ = ["EtcdStore", "parse_endpoints"]
+__all__ = ["DEFAULT_NAMESPACE", "EtcdStore", "normal_spec", "parse_endpoints", "parse_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,28 @@ _RETRY_PAUSE_S = 0.05
 _LIVE: list[EtcdStore] = []
 """Every store made in this process: a store handed only to torch (``PrefixStore(p, EtcdStore(...))``) would
 otherwise be freed while torch still calls it, and its calls would fail with "Not implemented"."""
+
+
+DEFAULT_NAMESPACE = "ds-recycle"
+"""A job's keys live under this namespace when its ``--store`` names none."""
+
+
+def normal_spec(spec: str) -> str:
+    """``spec`` checked and written out whole: ``etcd://h1:p1,h2:p2/namespace`` (ValueError names what is wrong)."""
+    if not spec.startswith("etcd://"):
+        raise ValueError(f"store {spec!r}: give etcd://HOST:PORT,HOST:PORT,HOST:PORT[/NAMESPACE] (every member of "
+                         "the etcd cluster)")
+    endpoints, namespace = parse_spec(spec)
+    hosts = ",".join(f"{h}:{p}" for h, p in endpoints)
+    return f"etcd://{hosts}/{namespace.rstrip('/') or DEFAULT_NAMESPACE}"
+
+
+def parse_spec(spec: str) -> tuple[list[tuple[str, int]], str]:
+    """``"etcd://h1:2379,h2:2379/myjob"``: the endpoints and the namespace (``"myjob/"``; ``""`` without a path)."""
+    text = spec.removeprefix("etcd://").strip()
+    where, _, path = text.partition("/")
+    path = path.strip("/")
+    return parse_endpoints(where), f"{path}/" if path else ""
 
 
 def parse_endpoints(spec: str) -> list[tuple[str, int]]:
@@ -86,7 +110,11 @@ class EtcdStore(dist.Store):
     def __init__(self, endpoints: Sequence[tuple[str, int]] | str, namespace: str = "",
                  timeout: timedelta = timedelta(seconds=300), request_timeout_s: float = 2.0) -> None:
         super().__init__()
-        self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) else list(endpoints)
+        if isinstance(endpoints, str):  # a spec's path is the namespace, unless one is given
+            self.endpoints, from_spec = parse_spec(endpoints)
+            namespace = namespace or from_spec
+        else:
+            self.endpoints = list(endpoints)
         if not self.endpoints:
             raise ValueError("EtcdStore needs at least one endpoint (host, port)")
         self.namespace = namespace.encode()
@@ -167,23 +195,31 @@ class EtcdStore(dist.Store):
         return self._post("/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
 
     def _watch_once(self, key: bytes, after: int, end: bytes | None, deadline: float) -> None:
-        """Return once ``key`` (or a key of ``[key, end)``) is written after revision ``after``, or at ``deadline``.
-        A member that fails during the watch ends it early; the caller reads again."""
+        """Return once ``key`` (or a key of ``[key, end)``) is written after revision ``after``, or at ``deadline``
+        (at most 5 s: the caller reads again). The watch stream is read in this thread, with a read timeout, so no
+        thread outlives the call. A member that fails during the watch ends it early."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
         client = self._client(self._preferred)
-        kwargs: dict[str, Any] = {"start_revision": after + 1, "filters": ["NODELETE"]}
+        create: dict[str, Any] = {"key": _b64(key), "start_revision": after + 1, "filters": ["NODELETE"]}
         if end is not None:
-            kwargs["range_end"] = end  # (etcd3gw encodes keys itself)
+            create["range_end"] = _b64(end)
+        wait_s = min(remaining, 5.0)
         try:
-            client.watch_once(key, timeout=min(remaining, 5.0), **kwargs)
-        except ex.WatchTimedOut:
-            pass
-        except (ex.Etcd3Exception, OSError) as err:  # the member went away under the watch: read again elsewhere
-            logger.debug("etcd watch of %r ended: %s", key, err)
-            self._preferred = (self._preferred + 1) % len(self.endpoints)
-            time.sleep(_RETRY_PAUSE_S)
+            with client.session.post(client.get_url("/watch"), json={"create_request": create}, stream=True,
+                                     timeout=(self.request_timeout_s, wait_s)) as stream:
+                started = time.monotonic()
+                for line in stream.iter_lines():
+                    if line and json.loads(line).get("result", {}).get("events"):
+                        return
+                    if time.monotonic() - started > wait_s:
+                        return
+        except requests.RequestException as err:  # nothing within the read timeout, or the member went away
+            if "timed out" not in str(err).lower():
+                logger.debug("etcd watch of %r ended: %s", key, err)
+                self._preferred = (self._preferred + 1) % len(self.endpoints)
+                time.sleep(_RETRY_PAUSE_S)
 
     @staticmethod
     def _value(kv: dict[str, Any]) -> bytes:
@@ -257,6 +293,14 @@ class EtcdStore(dist.Store):
     def delete_key(self, key: str) -> bool:
         answer = self._post("/kv/deleterange", {"key": _b64(self._key(key))})
         return int(answer.get("deleted", 0)) > 0
+
+    def clear(self) -> int:
+        """Delete every key of the namespace (a new job under a name an earlier one used); how many were."""
+        if not self.namespace:
+            raise ValueError("EtcdStore.clear() without a namespace would delete the whole cluster's keys")
+        answer = self._post("/kv/deleterange", {"key": _b64(self.namespace),
+                                                "range_end": _b64(_prefix_end(self.namespace))})
+        return int(answer.get("deleted", 0))
 
     def num_keys(self) -> int:
         return self._range(self.namespace or b"\0", _prefix_end(self.namespace) if self.namespace else b"\0",

@@ -73,12 +73,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported only when a store is opened, so the key names cost nothing to import
     from torch.distributed import Store, TCPStore
 
-__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "GENERATION_ENV", "GENERATION_KEY", "RESTART_ALL_KEY", "RESTART_REQUESTS_KEY",
-           "STOP_KEY", "WORLD_SIZE_KEY", "begin_resilient_start_up", "carried_events_key", "connect_store",
-           "exit_key", "exit_queue_key", "fallback_directory_key", "fence_key", "generation", "host_store",
-           "node_key", "note_start_up_death", "publish_exit_count", "read_int", "request_start_up_restart",
-           "resilient_key", "restart_request_key", "restart_result_key", "restarted_key", "start_up_deaths_key",
-           "start_up_restart_key", "started_key"]
+__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "GENERATION_ENV", "GENERATION_KEY", "RESTART_ALL_KEY",
+           "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY", "begin_resilient_start_up", "carried_events_key",
+           "connect_store", "exit_key", "exit_queue_key", "fallback_directory_key", "fence_key", "generation",
+           "host_store", "is_etcd", "node_key", "note_start_up_death", "open_store", "publish_exit_count",
+           "read_int", "request_start_up_restart", "resilient_key", "restart_request_key", "restart_result_key",
+           "restarted_key", "start_up_deaths_key", "start_up_restart_key", "started_key"]
 
 EXITS_KEY = "ds_recycle/exits"
 STOP_KEY = "ds_recycle/stop"
@@ -257,6 +257,24 @@ def connect_store(addr: str, port: int, timeout_s: float) -> TCPStore:
     except (RuntimeError, OSError) as err:
         raise OSError(f"cannot reach the store of node 0 at {addr}:{port} within {timeout_s} s ({err}); "
                       f"check --master_addr/--master_port and that node 0's launcher runs") from err
+
+
+def is_etcd(spec: str | None) -> bool:
+    """True for a store given as ``etcd://host:port,...[/namespace]`` (``--store``)."""
+    return bool(spec) and str(spec).startswith("etcd://")
+
+
+def open_store(spec: str, timeout_s: float) -> Store:
+    """A client of the job's store: ``host:port`` (the launcher's TCPStore) or ``etcd://h1:p1,h2:p2[/namespace]``
+    (:class:`~ds_recycle.runtime.etcd_store.EtcdStore`)."""
+    if is_etcd(spec):
+        from ds_recycle.runtime.etcd_store import EtcdStore
+
+        return EtcdStore(spec, timeout=timedelta(seconds=timeout_s))
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"store {spec!r}: give host:port or etcd://host:port,host:port,host:port[/namespace]")
+    return connect_store(host, int(port), timeout_s)
 
 
 def read_int(store: Store, key: str) -> int | None:

@@ -176,3 +176,24 @@ def test_too_few_visible_devices_is_an_option_error(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
     with pytest.raises(ValueError, match="need 2 devices"):
         cli.build_job(_args("--num_gpus", "2", "t.py"), 1, cuda_devices=0)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--store", "http://h1:2379"], r"give etcd://HOST:PORT"),
+    (["--store", "etcd://h1:2379,h2"], r"'h2' in .*give host:port"),
+    (["--store", "etcd://h1:2379", "--store_service"], "name two stores"),
+])
+def test_bad_etcd_store_is_an_option_error_naming_the_fix(extra: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cli.build_job(_args(*extra, "t.py"), 1, cuda_devices=0)
+
+
+def test_etcd_store_reaches_the_workers_with_its_namespace(tmp_path: Path) -> None:
+    job = cli.build_job(_args("--store", "etcd://h1:2379, h2:2380", "t.py"), 1, cuda_devices=0)
+    assert job.store == "etcd://h1:2379,h2:2380/ds-recycle"
+    env = worker_env(job, 0)
+    assert env["DS_RECYCLE_STORE"] == job.store and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("worker-0 slots=1\nworker-1 slots=1\n")
+    with pytest.raises(ValueError, match="several hosts on an etcd store is not supported yet"):
+        cli.build_job(_args("--hostfile", str(hostfile), "--store", "etcd://h1:2379/j", "t.py"), 1, cuda_devices=0)
