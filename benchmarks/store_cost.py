@@ -4,7 +4,8 @@ failure-free time per iteration of a real job (alternated runs, one after the ot
     .venv/bin/python benchmarks/store_cost.py [--ops 300] [--runs 3] [--steps 40] [--out FILE]
 
 The etcd cluster is three real members (Debian's etcd 3.4, ``tests/etcd_cluster.py``) on this host's loopback,
-the TCPStore a server in this process; each client is a separate connection. The job is the tests' tiny 2 x 2 GPT
+the TCPStore a server in this process; each client is a separate connection (a TCPStore ``set`` does not wait
+for an answer, so its figure is the client's send alone). The job is the tests' tiny 2 x 2 GPT
 (``tests.harness.tiny_config``) under ``ds-recycle launch``, once with its default store and once with
 ``--store etcd://...``, alternated ``--runs`` times; the per-iteration time is the median ``iter_time_s`` of the
 metrics after the first 5 iterations. Real compute on CPU (gloo), not emulated.
@@ -46,6 +47,7 @@ def _latencies(store: Any, ops: int) -> dict[str, float]:
     out = {"set": timed(lambda i: store.set(f"k{i}", "v"))}
     out["get (present)"] = timed(lambda i: store.get(f"k{i}"))
     out["add"] = timed(lambda i: store.add("counter", 1))
+    out["add 0 (read a counter)"] = timed(lambda i: store.add("counter", 0))
     out["check"] = timed(lambda i: store.check([f"k{i}"]))
     out["compare_set"] = timed(lambda i: store.compare_set(f"c{i}", "", "x"))
     out["queue_push + queue_pop"] = timed(lambda i: (store.queue_push("q", "x"), store.queue_pop("q")))

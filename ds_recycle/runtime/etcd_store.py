@@ -245,6 +245,8 @@ class EtcdStore(dist.Store):
         full = self._key(key)
         while True:
             kvs, _, _ = self._range(full)
+            if kvs and amount == 0:  # a read of a counter (one round trip); an absent key is created below
+                return int(self._value(kvs[0]) or b"0")
             if kvs:
                 now = int(self._value(kvs[0]) or b"0")
                 guard = {"key": _b64(full), "target": "MOD", "result": "EQUAL",

@@ -51,6 +51,7 @@ def _script(store: Any, other: Any) -> list[Any]:
     out: list[Any] = []
     store.set("a", "1")
     out += [store.get("a"), store.add("c", 3), store.add("c", -1), store.add("c", 0)]
+    out += [store.add("fresh", 0), store.check(["fresh"]), store.compare_set("fresh", "0", "1")]  # add(k, 0) creates k
     out += [store.compare_set("x", "", "v1"), store.compare_set("x", "", "v2"), store.compare_set("x", "v1", "v3"),
             store.compare_set("x", "v1", "v4"), store.compare_set("absent", "e", "d"), store.check(["absent"])]
     out += [store.check(["a", "x"]), store.check(["a", "none"]), store.delete_key("a"), store.delete_key("a"),
