@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from ds_recycle.resilience import StoreKeys
+from ds_recycle.runtime.job_store import publish_exit_count
 
 WORKER = Path(__file__).with_name("_comm_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -30,9 +31,8 @@ def test_survivors_detect_regroup_and_continue() -> None:
         time.sleep(0.2)
         procs[2].send_signal(signal.SIGKILL)
         procs[2].wait(timeout=10)
-        keys = StoreKeys()  # what ds-recycle launch does when it reaps a worker
-        store.set(keys.exit(2), str(procs[2].returncode))
-        store.add(keys.exits, 1)
+        store.set(StoreKeys().exit(2), str(procs[2].returncode))  # what ds-recycle launch does when it reaps
+        publish_exit_count(store, 4)  # a worker: the counter, and a wake-up in every rank's exit queue
         outs = {r: procs[r].communicate(timeout=90)[0] for r in (0, 1, 3)}
     finally:
         for p in procs:
