@@ -487,6 +487,8 @@ class FailureHandler:
         ``write``/``latest``: the writers (default: ds_recycle's own layout, :mod:`ds_recycle.resilience.checkpoint`).
         ``named_by_engine``: ``engine.save_checkpoint`` calls it (a lost stage then falls back to these files).
         """
+        if self.joined_at is not None and next_iteration <= self.joined_at:
+            return  # a joiner's loop catching up: the members saved this one before they let it in
         if named_by_engine and self.fallback_directory is None:
             self.fallback_directory, self.named_by_engine = directory, True
         eng, rank = self.engine, self.job.rank

@@ -97,14 +97,16 @@ def baseline(reference: Callable[[int, int, int], Path]) -> Path:
 def test_killed_worker_rejoins_then_its_peer_dies_same_model(tmp_path: Path, baseline: Path) -> None:
     """(1, 0) dies at iteration 2 and rejoins with state from (0, 0); a few iterations after the join (0, 0) is
     SIGKILLed from outside and the rejoined worker carries stage 0 alone: the model is the failure-free one.
-    (The second kill waits for the join: a fixed iteration would race the restarted process's start-up.)"""
+    (The second kill waits for the join: a fixed iteration would race the restarted process's start-up.) A checkpoint
+    every iteration: the joiner's loop, catching up, skips the ones the members wrote before letting it in."""
     from tests.launcher.launch_harness import LaunchedJob
 
     config = tiny_config(tmp_path, "c", 2, 2, failure_timeout_s=60.0)
     out, metrics = tmp_path / "k.pt", tmp_path / "k.jsonl"
     job = LaunchedJob(["--num_accelerators", "4", "--master_port", "0", *RESTART, str(REPO / "launch" / "train.py"),
                        "--deepspeed_config", str(config), "--steps", str(STEPS), "--save-final", str(out),
-                       "--metrics", str(metrics), "--kill", "1:0@2:backward-input"], env={"WANDB_MODE": "disabled"})
+                       "--metrics", str(metrics), "--kill", "1:0@2:backward-input", "--checkpoint-dir",
+                       str(tmp_path / "ck"), "--checkpoint-interval", "1"], env={"WANDB_MODE": "disabled"})
     try:
         with job.members_paused(1, 1, [0, 2, 3]):
             pass
