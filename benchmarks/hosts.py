@@ -14,6 +14,12 @@ Each scenario is one job:
 * ``recycle partition``: host 1's link is cut while its processes live, and put back once the store's node
   watch has declared the host lost (so the cut lasts the node timeout plus polling). Its launcher fences its
   workers; on 3 hosts the others go on, on 2 hosts the job falls back as above (once the link is back).
+* ``etcd host-loss``, ``etcd partition``, ``etcd node0-loss``, ``etcd two-hosts-loss`` (3 hosts): the job's
+  store on etcd (``--store etcd://...``), one etcd member per host; before a host is SIGKILLed its etcd member is
+  made the leader (the worst case). ``node0-loss`` loses host 0 (node 0's launcher, its workers and the leader);
+  ``two-hosts-loss`` loses hosts 1 and 2 at once: the survivor has no etcd quorum, fences its workers and leaves;
+  reported: how long until node 0's launcher ended, and whether the latest checkpoint is whole.
+  ``recycle two-hosts-loss`` is the same with node 0's TCP store.
 * ``vanilla host-loss``: ``deepspeed --no_ssh --node_rank K`` per host, ``--vanilla`` (DeepSpeed's stock
   PipelineEngine), same checkpoint interval; after host 1's SIGKILL the job dies; as soon as every launcher has
   exited it is started again on every host with ``--resume``.
@@ -45,7 +51,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ds_recycle.events import HostLostEvent, RecoveredEvent, ResumedEvent, events_of  # noqa: E402
-from tests.harness import tiny_config  # noqa: E402  (the benchmark reuses the tests' hosts and job helper)
+from tests.etcd_cluster import EtcdCluster  # noqa: E402  (the benchmark reuses the tests' hosts and job helper)
+from tests.harness import tiny_config  # noqa: E402
 from tests.hosts.cluster import PORT, HostJob  # noqa: E402
 from tests.nethosts import NetHosts, namespaces_refused  # noqa: E402
 
@@ -79,53 +86,88 @@ def _first_full_recycle(job: HostJob, event_t: float, timeout_s: float) -> dict[
     while time.monotonic() < deadline:
         recs = job.metrics()
         for r in _after(recs, event_t):
-            if events_of([r], RecoveredEvent) or events_of([r], ResumedEvent):
+            if bool(events_of([r], RecoveredEvent)) or bool(events_of([r], ResumedEvent)):
                 return r
         time.sleep(0.2)
     return None
 
 
-def run_recycle(hosts_n: int, event: str, work: Path, steps: int) -> dict[str, Any]:
+def run_recycle(hosts_n: int, event: str, work: Path, steps: int, store: str = "tcp") -> dict[str, Any]:
     config = tiny_config(work, "cfg", 2, hosts_n)
     with NetHosts(hosts_n, work) as hosts:
-        job = HostJob(hosts, work, config, steps, slots=2, worker_hosts=list(range(hosts_n)),
-                      node_timeout_s=NODE_TIMEOUT_S, launcher_args=["--restart_failed_after", "1"],
-                      train_args=["--checkpoint-dir", str(work / "ckpt"), "--checkpoint-interval", str(CKPT_EVERY),
-                                  "--resume"])
-        job.start_all_no_ssh()
-        job.wait_iteration(KILL_AT, 300)
-        event_t = time.time()
-        before = job.metrics()  # a reporter restarted after a fallback starts its metrics file again
-        extra: dict[str, Any] = {}
-        if event == "host-loss":
-            hosts.kill_host(1)
-            if hosts_n == 2:  # the whole of stage 1 is gone: host 1 comes back, the job resumes its checkpoint
-                hosts.revive(1)
-                job.start_node(1)
-        else:
-            hosts.cut(1)
-            _wait_log(job, "host event host_lost", 60)  # in node 0's log: the reporter may be on host 1
-            extra["cut_s"] = round(time.time() - event_t, 2)
-            hosts.heal(1)
-        first = _first_full_recycle(job, event_t, 240)
-        lost = events_of(before + job.metrics(), HostLostEvent)
-        if lost:
-            extra["host_lost_declared_after_s"] = round(lost[0].time_s - event_t, 2)
-        recovered = job.events(RecoveredEvent)
-        if recovered:
-            extra["recovered_event"] = {k: getattr(recovered[0], k) for k in ("detection_s", "agreement_s", "regroup_s",
-                                                                               "redo_s", "committed_stages")}
-        codes = job.finish(600)
-        extra["exit_codes"] = codes
-        recs = [r for r in before if r["unix_time"] <= event_t] + _after(job.metrics(), event_t)
-        return _summary(f"recycle {event}", hosts_n, recs, event_t, first, extra)
+        cluster = None
+        launcher_args = ["--restart_failed_after", "1"]
+        if store == "etcd":  # one etcd member per host: the job's store has no host it cannot lose
+            (work / "etcd").mkdir()
+            cluster = EtcdCluster(work / "etcd", hosts=hosts)
+            launcher_args += ["--store", cluster.endpoints + "/bench"]
+        try:
+            job = HostJob(hosts, work, config, steps, slots=2, worker_hosts=list(range(hosts_n)),
+                          node_timeout_s=NODE_TIMEOUT_S, launcher_args=launcher_args,
+                          train_args=["--checkpoint-dir", str(work / "ckpt"), "--checkpoint-interval",
+                                      str(CKPT_EVERY), "--resume"])
+            job.start_all_no_ssh()
+            job.wait_iteration(KILL_AT, 300)
+            victim = 0 if event == "node0-loss" else 1
+            if cluster is not None and event != "partition":
+                cluster.move_leader(victim)  # the worst case: the lost host's etcd member leads
+            event_t = time.time()
+            before = job.metrics()  # a reporter restarted after a fallback starts its metrics file again
+            extra: dict[str, Any] = {"store": store, "lost_host": victim}
+            if event == "two-hosts-loss":
+                return _two_hosts_lost(job, hosts, work, store, event_t, before)
+            if event in ("host-loss", "node0-loss"):
+                hosts.kill_host(victim)
+                if hosts_n == 2:  # the whole of stage 1 is gone: host 1 comes back, the job resumes its checkpoint
+                    hosts.revive(1)
+                    if cluster is not None:
+                        cluster.start(1)
+                    job.start_node(1)
+            else:
+                hosts.cut(1)
+                _wait_log(job, "host event host_lost", 60)  # in a launcher's log: the reporter may be on host 1
+                extra["cut_s"] = round(time.time() - event_t, 2)
+                hosts.heal(1)
+            first = _first_full_recycle(job, event_t, 240)
+            lost = events_of(before + job.metrics(), HostLostEvent)
+            if lost:
+                extra["host_lost_declared_after_s"] = round(lost[0].time_s - event_t, 2)
+            recovered = job.events(RecoveredEvent)
+            if recovered:
+                extra["recovered_event"] = {k: getattr(recovered[0], k)
+                                            for k in ("detection_s", "agreement_s", "regroup_s", "redo_s",
+                                                      "committed_stages")}
+            codes = job.finish(600)
+            extra["exit_codes"] = codes
+            recs = [r for r in before if r["unix_time"] <= event_t] + _after(job.metrics(), event_t)
+            return _summary(f"{'etcd' if store == 'etcd' else 'recycle'} {event}", hosts_n, recs, event_t, first,
+                            extra)
+        finally:
+            if cluster is not None:
+                cluster.close()
+
+
+def _two_hosts_lost(job: HostJob, hosts: NetHosts, work: Path, store: str, event_t: float,
+                    before: list[dict[str, Any]]) -> dict[str, Any]:
+    """Hosts 1 and 2 SIGKILLed together: how long until node 0's launcher has ended, and whether the latest
+    checkpoint is whole (every stage's file there)."""
+    hosts.kill_host(1)
+    hosts.kill_host(2)
+    code = job.wait("node0", 300)
+    ended = round(time.time() - event_t, 2)
+    ckpt = work / "ckpt"
+    latest = (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else None
+    whole = latest is not None and sorted(p.name for p in (ckpt / latest).iterdir()) == ["stage0.pt", "stage1.pt"]
+    extra = {"store": store, "job_ended_after_s": ended, "node0_exit": code, "latest_checkpoint": latest,
+             "latest_checkpoint_whole": whole}
+    return _summary(f"{'etcd' if store == 'etcd' else 'recycle'} two-hosts-loss", 3, before, event_t, None, extra)
 
 
 def _wait_log(job: HostJob, text: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while text not in job.text("node0"):
+    while text not in job.text("node"):
         if time.monotonic() > deadline:
-            raise SystemExit(f"{text!r} not in node 0's log within {timeout_s} s: see {job.folder}")
+            raise SystemExit(f"{text!r} not in a launcher's log within {timeout_s} s: see {job.folder}")
         time.sleep(0.1)
 
 
@@ -222,8 +264,8 @@ def main() -> int:
             system, event = scenario.split()
             work = Path(tempfile.mkdtemp(prefix=f"hosts-{system}-{event}-{hosts_n}-"))
             t0 = time.time()
-            if system == "recycle":
-                res = run_recycle(hosts_n, event, work, args.steps)
+            if system in ("recycle", "etcd"):
+                res = run_recycle(hosts_n, event, work, args.steps, store="etcd" if system == "etcd" else "tcp")
             else:
                 res = run_vanilla(hosts_n, event, work, args.steps, args.watch)
             res["wall_s"] = round(time.time() - t0, 1)

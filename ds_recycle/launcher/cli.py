@@ -17,7 +17,6 @@ import os
 import shlex
 import socket
 import sys
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ds_recycle.launcher.forkserver import ForkServer
@@ -166,9 +165,6 @@ def _etcd_spec(args: argparse.Namespace, layout: Layout) -> str | None:
     spec = normal_spec(args.store)
     if args.store_service:
         raise ValueError("--store and --store_service name two stores: give one")
-    if len(layout.nodes) > 1:
-        raise ValueError(f"--store {args.store}: a job of several hosts on an etcd store is not supported yet; use "
-                         "node 0's store (the default) or a `ds-recycle store` service (--store_service)")
     return spec
 
 
@@ -210,15 +206,9 @@ def _open_store(job: JobSpec, args: argparse.Namespace) -> Store:
     from ds_recycle.runtime import job_store as stores
 
     if job.store is not None:
-        from ds_recycle.runtime.etcd_store import EtcdStore
+        from ds_recycle.launcher.etcd_job import open_etcd_job
 
-        etcd = EtcdStore(job.store, timeout=timedelta(seconds=args.store_timeout))
-        try:
-            stale = etcd.clear()
-        except RuntimeError as err:  # DistStoreError: no member answered
-            raise OSError(f"--store {job.store}: {err}") from err
-        logger.info("etcd store %s: namespace cleared (%d keys of an earlier job)", job.store, stale)
-        return etcd
+        return open_etcd_job(job, args.store_timeout)
     if job.node_rank == 0 and not job.store_service:
         return stores.host_store(job.master_addr, args.master_port, args.store_timeout)
     if args.master_port == 0:
@@ -277,20 +267,25 @@ def _run(args: argparse.Namespace, server: ForkServer | None) -> tuple[int, bool
     workers = [Worker(spec, sink, server) for spec in worker_specs(job)]
     node0 = job.node_rank == 0
     remotes = _remote_workers(job, args, sink) if node0 and not args.no_ssh else []
+    nodes = range(len(job.layout.nodes))
+    several_on_etcd = job.store is not None and len(nodes) > 1
     others = None
-    if node0 and args.no_ssh and len(job.layout.nodes) > 1:
-        others = OtherNodes(store, job.layout, range(1, len(job.layout.nodes)), args.store_timeout)
+    if (node0 and args.no_ssh and len(nodes) > 1) or several_on_etcd:  # wait for the others' ranks, report the job
+        others = OtherNodes(store, job.layout, [k for k in nodes if k != job.node_rank], args.store_timeout)
     watch, lease, lease_store, rejoin = None, None, None, False
-    if node0 and not job.store_service:
-        watch = NodeWatch(job.layout, job.node_timeout_s, range(1, len(job.layout.nodes)))
-    else:
-        lease = Lease(job.master_addr, job.master_port, job.node_rank, job.node_timeout_s, args.store_timeout)
+    if node0 and not job.store_service and job.store is None:
+        watch = NodeWatch(job.layout, job.node_timeout_s, nodes[1:], me="0")
+    elif several_on_etcd:  # no launcher hosts the store: every one watches the others (one declares each loss)
+        watch = NodeWatch(job.layout, job.node_timeout_s, [k for k in nodes if k != job.node_rank],
+                          me=str(job.node_rank))
+    if job.node_rank > 0 or job.store_service or several_on_etcd:
+        lease = Lease(job.master_addr, job.master_port, job.node_rank, job.node_timeout_s, args.store_timeout,
+                      store_spec=job.store)
         try:
             lease_store = lease.connect()
             rejoin = lease.beat_before(lease_store)
         except (RuntimeError, OSError) as err:
-            print(f"ds-recycle launch: error: the store at {job.master_addr}:{job.master_port} went away: {err}",
-                  file=sys.stderr)
+            print(f"ds-recycle launch: error: the store at {lease.where} went away: {err}", file=sys.stderr)
             return 2, True
     supervisor = Supervisor(job, store, workers, remotes, hosts_store=node0, others=others, watch=watch, lease=lease,
                             lease_store=lease_store, rejoin=rejoin)

@@ -33,6 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from torch.distributed import Store
@@ -43,7 +44,7 @@ from ds_recycle.launcher.worker import LOST_EXIT_CODE
 from ds_recycle.runtime import job_store as keys
 
 __all__ = ["HOST_EVENTS_KEY", "LAYOUT_KEY", "NODE_TIMEOUT_KEY", "HostEvents", "Lease", "NodeWatch", "fence_time",
-           "node_hb_key", "node_lost_key", "node_ranks", "record_host_event"]
+           "node_declare_key", "node_hb_key", "node_lost_key", "node_ranks", "record_host_event"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ def node_hb_key(node_rank: int) -> str:
 
 def node_lost_key(node_rank: int) -> str:
     return f"ds_recycle/node_lost/{node_rank}"
+
+
+def node_declare_key(node_rank: int) -> str:
+    return f"ds_recycle/node_declare/{node_rank}"
 
 
 def host_event_key(index: int) -> str:
@@ -107,8 +112,10 @@ class HostEvents:
 class NodeWatch:
     """Run by whoever hosts the store: declares nodes whose heartbeat stopped lost (see the module docstring)."""
 
-    def __init__(self, layout: Layout, node_timeout_s: float, watched: Sequence[int]) -> None:
+    def __init__(self, layout: Layout, node_timeout_s: float, watched: Sequence[int], me: str = "store") -> None:
+        """``me``: who watches (a node's rank, or ``store`` for the store's host), recorded in the claims."""
         self.layout = layout
+        self.me = me
         self.node_timeout_s = node_timeout_s
         self.watched = tuple(watched)
         self._last: dict[int, tuple[int, float]] = {}
@@ -131,10 +138,28 @@ class NodeWatch:
             if last is None or beats != last[0]:
                 self._last[k] = (beats, now)
             elif now - last[1] >= self.node_timeout_s:
-                self._declare_lost(store, k, now - last[1])
-                declared.append(k)
+                if self._claim(store, k, beats):
+                    self._declare_lost(store, k, now - last[1])
+                    declared.append(k)
+                self.lost.add(k)  # declared here or by another watcher: followed until its launcher is back
         return declared
 
+    def _claim(self, store: Store, k: int, beats: int) -> bool:
+        """Whether this watcher declares node ``k`` (silent at heartbeat ``beats``): with several watchers (every
+        launcher of a job on etcd watches the others) exactly one does, the one whose ``compare_set`` of
+        ``node_declare/<k>`` wins. A claim for an earlier silence, or one left for longer than the node timeout by
+        a watcher that died before writing ``node_lost/<k>``, is taken over; a node already declared is not
+        declared again."""
+        key = node_declare_key(k)
+        mine = f"{beats} {self.me} {time.time():.3f}"
+        held = store.compare_set(key, "", mine).decode()
+        if held == mine:
+            return True
+        if store.check([node_lost_key(k)]):
+            return False
+        parts = held.split()
+        stale = len(parts) != 3 or parts[0] != str(beats) or time.time() - float(parts[2]) > self.node_timeout_s
+        return stale and store.compare_set(key, held, mine).decode() == mine
     def _declare_lost(self, store: Store, k: int, silent_s: float) -> None:
         marked = []
         for rank in node_ranks(self.layout, k):
@@ -163,8 +188,11 @@ class Lease:
     process exits with code 75 (lost).
     """
 
-    def __init__(self, addr: str, port: int, node_rank: int, node_timeout_s: float, give_up_s: float) -> None:
+    def __init__(self, addr: str, port: int, node_rank: int, node_timeout_s: float, give_up_s: float,
+                 store_spec: str | None = None) -> None:
+        """``store_spec``: the job's ``etcd://...`` store (None: the TCP store at ``addr:port``)."""
         self.addr, self.port, self.node_rank = addr, port, node_rank
+        self.store_spec = store_spec
         self.node_timeout_s = node_timeout_s
         self.give_up_s = give_up_s
         self.fenced_at: float | None = None
@@ -176,11 +204,25 @@ class Lease:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
+    @property
+    def where(self) -> str:
+        return self.store_spec or f"{self.addr}:{self.port}"
+
     def connect(self) -> Store:
-        """The lease's own client of the (running) store."""
+        """The lease's own client of the (running) store; its calls give up after the fence time."""
+        if self.store_spec is not None:
+            from ds_recycle.runtime.etcd_store import EtcdStore
+
+            fence = fence_time(self.node_timeout_s)
+            return EtcdStore(self.store_spec, timeout=timedelta(seconds=fence), request_timeout_s=min(2.0, fence / 2))
         from ds_recycle.runtime.job_store import connect_store
 
         return connect_store(self.addr, self.port, fence_time(self.node_timeout_s))
+
+    def fresh(self) -> bool:
+        """This node's own heartbeat went through within the last quarter of the node timeout: its view of the
+        others is current (a launcher that is itself cut off must not declare the others lost)."""
+        return self.fenced_at is None and time.monotonic() - self.last_ok < self.node_timeout_s / 4
 
     def beat_before(self, store: Store) -> bool:
         """True when this node's launcher (an earlier one) beat before: its host was lost and this is a rejoin."""
@@ -213,8 +255,12 @@ class Lease:
                     store.add(key, 1)
                 else:
                     store.check([key])
-            except (RuntimeError, OSError) as err:  # the store refused or reset: it is gone, not silent
-                self.error = err
+            except Exception as err:  # noqa: BLE001 (etcd3gw's errors are not all RuntimeError or OSError)
+                if self.store_spec is not None:
+                    continue  # no member of the etcd cluster answered: silence, as a cut link (another may answer)
+                if not isinstance(err, (RuntimeError, OSError)):
+                    raise
+                self.error = err  # the TCP store refused or reset: it is gone, not silent
                 return
             self.last_ok = time.monotonic()
 
@@ -226,8 +272,8 @@ class Lease:
             if self.fenced_at is None and silent > fence_time(self.node_timeout_s):
                 self.beating = False
                 self.fenced_at, self.fenced_wall = time.monotonic(), time.time()
-                logger.error("no answer from the store at %s:%d for %.1f s: fencing (SIGKILL to this node's "
-                             "workers); they rejoin as restarted ones once it answers", self.addr, self.port, silent,
+                logger.error("no answer from the store at %s for %.1f s: fencing (SIGKILL to this node's "
+                             "workers); they rejoin as restarted ones once it answers", self.where, silent,
                              extra={"event": "fence", "node": self.node_rank})
                 on_fence()
             elif self.fenced_at is not None and silent > self.give_up_s:

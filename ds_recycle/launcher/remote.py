@@ -52,6 +52,8 @@ def launcher_argv(job: JobSpec, node_rank: int) -> list[str]:
         argv += ["--log_ranks", ",".join(str(r) for r in sorted(job.log_ranks))]
     if policy.restart_after_s is not None:
         argv += ["--restart_failed_after", str(policy.restart_after_s)]
+    if job.store is not None:
+        argv += ["--store", job.store]
     flags = {"--store_service": job.store_service, "--strict": policy.strict, "--module": program.module, "--no_python": program.no_python,
              "--no_local_rank": not program.pass_local_rank}
     argv += [flag for flag, on in flags.items() if on]

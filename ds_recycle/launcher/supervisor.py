@@ -191,7 +191,7 @@ class Supervisor:
         """A node other than 0 whose workers have all exited stays up while one of its ranks could be restarted
         on command and some rank of the job still runs elsewhere (node 0 already waits for every rank)."""
         was, self._lingering = self._lingering, False
-        if self.hosts_store or self._store_lost or self._stop_reason is not None:
+        if self.hosts_store or self.others is not None or self._store_lost or self._stop_reason is not None:
             return False
         restartable = [r for r in sorted(self.workers)
                        if judge_restart_request(self._rank_state(r), self.job.policy) is None]
@@ -315,8 +315,8 @@ class Supervisor:
         if self._store_lost:
             return
         try:
-            if self.watch is not None:
-                self.watch.poll(self.store)
+            if self.watch is not None and (self.lease is None or self.lease.fresh()):
+                self.watch.poll(self.store)  # (a launcher whose own beats stall must not judge the others)
             if self._stop_reason is None and self.store.check([keys.STOP_KEY]):
                 self._stop("stop requested in the store: " + self.store.get(keys.STOP_KEY).decode())
             self._poll_restart_requests()
@@ -328,6 +328,8 @@ class Supervisor:
             if self._rejoining and self.lease is not None:
                 self._rejoin(self.lease)
         except (RuntimeError, OSError) as err:
+            if self._fenced():
+                return  # cut off (the lease fenced this node's workers): back once the store answers
             if not self.hosts_store or self.lease is not None:
                 self._store_lost = True
                 idle = self._lingering and not self._restart_at and not any(w.running for w in self.workers.values())
@@ -531,6 +533,7 @@ class Supervisor:
             self._restart(rank)
             restarted.append(rank)
         self.store.delete_key(hostwatch.node_lost_key(self.job.node_rank))
+        self.store.delete_key(hostwatch.node_declare_key(self.job.node_rank))
         if self._cut_off_s is not None:
             hostwatch.record_host_event(self.store, HostPartitionedEvent, self.job.layout, self.job.node_rank,
                               cut_off_s=round(self._cut_off_s, 3), fenced_at=lease.fenced_wall)
@@ -594,11 +597,16 @@ class Supervisor:
 
     def _report(self) -> int:
         final = self._final_codes()
-        status = job_status(final, self.job.policy.strict, require_finished=self.hosts_store)
+        status = job_status(final, self.job.policy.strict, require_finished=self.hosts_store or self.others is not None)
         if self._stop_reason is not None:  # a job that had to be stopped did not complete
             status = max(status, 1)
         if self._signal is not None:
             status = 128 + int(self._signal)
+        if self.others is not None and self.job.store is not None and not self._store_lost:
+            try:  # every launcher of a job on etcd reports the job: the namespace now holds a job that is over
+                self.store.set(keys.JOB_OVER_KEY, str(status))
+            except (RuntimeError, OSError) as err:
+                logger.warning("could not record the end of the job in the store: %s", err)
         for exit in sorted(self.exits, key=lambda e: (e.rank is None, e.rank or 0, e.restart_count)):
             logger.info("summary: %s", exit.describe())
         kinds = [ExitKind.ERROR if code is None else exit_kind(code) for code in final.values()]

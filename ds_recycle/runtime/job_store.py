@@ -73,7 +73,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported only when a store is opened, so the key names cost nothing to import
     from torch.distributed import Store, TCPStore
 
-__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "GENERATION_ENV", "GENERATION_KEY", "RESTART_ALL_KEY",
+__all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "GENERATION_ENV", "GENERATION_KEY", "JOB_OVER_KEY",
+           "RESTART_ALL_KEY",
            "RESTART_REQUESTS_KEY", "STOP_KEY", "WORLD_SIZE_KEY", "begin_resilient_start_up", "carried_events_key",
            "connect_store", "exit_key", "exit_queue_key", "fallback_directory_key", "fence_key", "generation",
            "host_store", "is_etcd", "node_key", "note_start_up_death", "open_store", "publish_exit_count",
@@ -87,6 +88,8 @@ RESTART_REQUESTS_KEY = "ds_recycle/restart_requests"
 FENCE_REQUESTS_KEY = "ds_recycle/fence_requests"
 RESTART_ALL_KEY = "ds_recycle/restart_all"
 GENERATION_KEY = "ds_recycle/generation"
+JOB_OVER_KEY = "ds_recycle/job_over"
+"""The job's status, written by a launcher that reported it (a job of several hosts on etcd)."""
 GENERATION_ENV = "DS_RECYCLE_GENERATION"
 """The generation a worker process was started for (its launcher sets it)."""
 

@@ -10,7 +10,7 @@ from torch.distributed import HashStore
 
 from ds_recycle.events import HostLostEvent, parse_event
 from ds_recycle.launcher.hosts import Layout, NodeSlots
-from ds_recycle.launcher.hostwatch import HostEvents, Lease, NodeWatch, node_hb_key, node_lost_key
+from ds_recycle.launcher.hostwatch import HostEvents, Lease, NodeWatch, node_declare_key, node_hb_key, node_lost_key
 from ds_recycle.launcher.job import JobSpec, Program
 from ds_recycle.launcher.netif import gloo_interface_env
 from ds_recycle.launcher.remote import launcher_argv
@@ -135,3 +135,27 @@ def test_remote_launchers_get_the_node_timeout_and_the_store_service_flag() -> N
     assert argv[argv.index("--node_timeout") + 1] == "7.5" and "--store_service" in argv
     with pytest.raises(ValueError, match="--node_timeout 0"):
         JobSpec(LAYOUT, 0, "h", 1, Program("t.py"), base_env={}, node_timeout_s=0)
+
+
+def test_several_watchers_declare_each_loss_once_and_take_over_a_dead_watchers_claim() -> None:
+    """A job on etcd: every launcher watches the others; one declaration (exit keys, event) per loss."""
+    store = HashStore()
+    watchers = [NodeWatch(LAYOUT, 5.0, [2], me=str(k)) for k in (0, 1)]
+    _beat(store, 2)
+    for watch in watchers:
+        watch.poll(store, now=0.0)
+    declared = [watch.poll(store, now=6.0) for watch in watchers]
+    assert declared == [[2], []] and all(2 in watch.lost for watch in watchers)
+    assert store.add(keys.EXITS_KEY, 0) == 1 and len(HostEvents(store).drain()) == 1
+    # node 2 comes back (its launcher deletes node_lost and its claim), beats, then goes silent again; the watcher
+    # that claims it dies before writing node_lost: the other takes the claim over after a node timeout
+    store.delete_key(node_lost_key(2))
+    store.delete_key(node_declare_key(2))
+    for r in (4, 5):
+        store.delete_key(keys.exit_key(r))
+    _beat(store, 2)
+    for watch in watchers:
+        watch.poll(store, now=7.0)
+    store.set(node_declare_key(2), f"{store.add(node_hb_key(2), 0)} 0 {time.time() - 6.0:.3f}")  # dead claimer
+    assert watchers[1].poll(store, now=13.0) == [2]
+    assert store.get(keys.exit_key(4)) == b"75" and store.check([node_lost_key(2)])

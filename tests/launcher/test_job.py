@@ -195,5 +195,7 @@ def test_etcd_store_reaches_the_workers_with_its_namespace(tmp_path: Path) -> No
     assert env["DS_RECYCLE_STORE"] == job.store and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
     hostfile = tmp_path / "hosts"
     hostfile.write_text("worker-0 slots=1\nworker-1 slots=1\n")
-    with pytest.raises(ValueError, match="several hosts on an etcd store is not supported yet"):
-        cli.build_job(_args("--hostfile", str(hostfile), "--store", "etcd://h1:2379/j", "t.py"), 1, cuda_devices=0)
+    several = cli.build_job(_args("--hostfile", str(hostfile), "--store", "etcd://h1:2379/j", "t.py"), 1,
+                            cuda_devices=0)
+    argv = launcher_argv(several, 1)  # the other nodes' launchers (over ssh) use the same etcd namespace
+    assert argv[argv.index("--store") + 1] == "etcd://h1:2379/j"

@@ -1,0 +1,121 @@
+"""A job of several hosts on a replicated etcd (`ds-recycle launch --store etcd://...`): one etcd member per host,
+no process that the job cannot lose. Layout as in test_host_failures.py: 2 stages x 3 pipelines on 3 hosts, two
+workers a host, every stage with a replica on two hosts.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ds_recycle.events import HostBackEvent, HostLostEvent, HostPartitionedEvent, RejoinEvent
+from tests.etcd_cluster import ETCD, EtcdCluster
+from tests.harness import assert_same_model
+from tests.hosts.cluster import HostJob
+from tests.hosts.conftest import LONG_STEPS
+from tests.hosts.test_host_failures import FENCE_BOUND_S, NODE_TIMEOUT_S, _wait_until, _workers
+from tests.nethosts import NetHosts
+
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(ETCD is None, reason="no etcd: `sudo bash launch/setup_hosts.sh` installs it")]
+
+
+@pytest.fixture
+def etcd_hosts(nethosts: Callable[[int], NetHosts], tmp_path: Path) -> Iterator[tuple[NetHosts, EtcdCluster]]:
+    """Three hosts, each running one member of a 3-member etcd cluster."""
+    hosts = nethosts(3)
+    folder = tmp_path / "etcd"
+    folder.mkdir()
+    cluster = EtcdCluster(folder, hosts=hosts)
+    try:
+        yield hosts, cluster
+    finally:
+        cluster.close()
+
+
+def _job(hosts: NetHosts, cluster: EtcdCluster, folder: Path, config: Path) -> HostJob:
+    return HostJob(hosts, folder, config, LONG_STEPS, slots=2, worker_hosts=[0, 1, 2], node_timeout_s=NODE_TIMEOUT_S,
+                   launcher_args=["--store", cluster.endpoints + "/hostjob"])
+
+
+def _first_iteration_with(job: HostJob, live: int, after_iter: int, timeout_s: float) -> float:
+    """Seconds until the metrics hold an iteration after ``after_iter`` trained by ``live`` workers."""
+    return _wait_until(f"an iteration with {live} live workers",
+                       lambda: any(r["iter"] > after_iter and r["live_workers"] == live for r in job.metrics()),
+                       timeout_s)
+
+
+def _rejoined(job: HostJob) -> set[int]:
+    return {r for e in job.events(RejoinEvent) for r in e.ranks}
+
+
+@pytest.mark.timeout(420)
+def test_losing_node0s_host_with_the_etcd_leader_leaves_the_job_training_and_it_rejoins(
+        etcd_hosts: tuple[NetHosts, EtcdCluster], tmp_path: Path, reference_2x3: tuple[Path, Path]) -> None:
+    """Host 0 runs node 0's launcher, two workers and the etcd leader; all of it is SIGKILLed at once. The other
+    launchers declare node 0 lost (one of them), the workers re-route around it, the job trains on; host 0 boots
+    again (its etcd member rejoins the cluster, node 0's launcher restarts its ranks) and the job ends at the
+    failure-free model, every launcher reporting success."""
+    hosts, cluster = etcd_hosts
+    config, reference = reference_2x3
+    job = _job(hosts, cluster, tmp_path, config)
+    job.start_all_no_ssh()
+    job.wait_iteration(5, 240)
+    cluster.move_leader(0)
+    at = job.metrics()[-1]["iter"]
+    hosts.kill_host(0)
+    training = _first_iteration_with(job, 4, at, 120)
+    lost = job.wait_event(HostLostEvent, 30)
+    assert [e.node for e in lost] == [0] and sorted(lost[0].ranks) == [0, 1], job.logs()
+    hosts.revive(0)
+    cluster.start(0)
+    cluster.wait_healthy([0], 30)
+    job.start_node(0)  # a returning node 0: joins the job in the namespace, restarts its ranks once declared lost
+    back = _wait_until("node 0's ranks rejoined", lambda: {0, 1} <= _rejoined(job), 180)
+    codes = job.finish(300)
+    assert codes == {"node0": 0, "node1": 0, "node2": 0}, job.logs()
+    assert len(job.events(HostLostEvent)) == 1 and [e.after for e in job.events(HostBackEvent)] == ["host restart"]
+    assert job.metrics()[-1]["live_workers"] == 6
+    assert_same_model(job.final_path, reference)
+    print(f"host 0 (node 0, etcd leader) SIGKILLed: first iteration on 4 workers {training:.1f} s later; "
+          f"its ranks rejoined {back:.1f} s after its launcher started again")
+
+
+@pytest.mark.timeout(420)
+def test_a_cut_off_host_fences_itself_the_rest_go_on_and_two_hosts_lost_end_the_job_cleanly(
+        etcd_hosts: tuple[NetHosts, EtcdCluster], tmp_path: Path, reference_2x3: tuple[Path, Path]) -> None:
+    """Host 2's link is cut: its etcd member is in the minority, its launcher fences its workers, the others
+    declare it lost and train on; the link comes back and its ranks rejoin. Then hosts 1 and 2 are SIGKILLed
+    together: the survivor has no etcd quorum, fences its workers and leaves; the checkpoint is whole."""
+    hosts, cluster = etcd_hosts
+    config, _ = reference_2x3
+    ckpt = tmp_path / "ckpt"
+    job = HostJob(hosts, tmp_path, config, 100_000, slots=2, worker_hosts=[0, 1, 2], node_timeout_s=NODE_TIMEOUT_S,
+                  launcher_args=["--store", cluster.endpoints + "/hostjob", "--store_timeout", "20"],
+                  train_args=["--checkpoint-dir", str(ckpt), "--checkpoint-interval", "4"])
+    job.start_all_no_ssh()
+    job.wait_iteration(5, 240)
+    hosts.cut(2)
+    cut_at = time.monotonic()
+    fenced = _wait_until("host 2's workers fenced", lambda: not _workers(hosts, 2), FENCE_BOUND_S + 4)
+    at = job.metrics()[-1]["iter"]
+    _first_iteration_with(job, 4, at, 120)
+    training = time.monotonic() - cut_at
+    assert [e.node for e in job.wait_event(HostLostEvent, 30)] == [2]
+    hosts.heal(2)
+    back = _wait_until("host 2's ranks rejoined", lambda: {4, 5} <= _rejoined(job), 180)
+    assert [e.node for e in job.events(HostPartitionedEvent)] == [2]
+    at = job.metrics()[-1]["iter"]
+    job.wait_iteration(at + 8, 120)  # a checkpoint written by all six again
+    hosts.kill_host(1)
+    hosts.kill_host(2)
+    start = time.monotonic()
+    code = job.wait("node0", 120)
+    ended = time.monotonic() - start
+    assert code != 0 and not _workers(hosts, 0), job.logs()
+    latest = (ckpt / "latest").read_text().strip()
+    assert sorted(p.name for p in (ckpt / latest).iterdir()) == ["stage0.pt", "stage1.pt"]
+    print(f"host 2 cut: fenced in {fenced:.1f} s, first iteration on 4 workers {training:.1f} s after the cut, "
+          f"rejoined {back:.1f} s after the heal; hosts 1 and 2 lost: node 0 left {ended:.1f} s later (exit {code})")
