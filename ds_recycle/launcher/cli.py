@@ -258,7 +258,7 @@ def _run(args: argparse.Namespace, server: ForkServer | None) -> tuple[int, bool
         return 2, True
     job = build_job(args, int(getattr(store, "port", None) or args.master_port or _DEFAULT_PORT), cuda_devices)
     _warn_if_node0_elsewhere(job)
-    logger.info("store at %s:%d; node %d of %d runs ranks %s of %d", job.master_addr, job.master_port,
+    logger.info("store at %s; node %d of %d runs ranks %s of %d", job.store or f"{job.master_addr}:{job.master_port}",
                 job.node_rank, len(job.layout.nodes), list(job.local_ranks), job.layout.world_size)
     sink = OutputSink(sys.stdout)
     if server is not None and cuda_devices:  # (the early check saw no NVIDIA device: it cannot be this)

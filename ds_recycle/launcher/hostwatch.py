@@ -2,9 +2,11 @@
 
 Every launcher that does not host the store holds a *lease* on it (:class:`Lease`): a thread of its own bumps
 ``ds_recycle/node_hb/<k>`` every 0.25 s through a store client of its own, whose timeout is the *fence time*
-(half of ``--node_timeout``). Whoever hosts the store (node 0's launcher, or ``ds-recycle store``) runs
-the :class:`NodeWatch`: a node whose heartbeat counter has not moved for ``--node_timeout`` seconds (its host
-died, or its link is cut) is declared lost: every rank of that node without an exit key gets exit code 75
+(half of ``--node_timeout``). Whoever hosts the store (node 0's launcher, or ``ds-recycle store``) runs the
+:class:`NodeWatch`; on an etcd store (``--store etcd://...``) no launcher hosts it, so every launcher holds a
+lease and watches the other nodes, and one watcher declares each loss (:meth:`NodeWatch._claim`). A node whose
+heartbeat counter has not moved for ``--node_timeout`` seconds (its host died, or its link is cut) is declared
+lost: every rank of that node without an exit key gets exit code 75
 (lost) through ``compare_set``, the exit counter moves (so the workers' failure handler sees the loss within
 milliseconds, as for a single dead worker), then ``ds_recycle/node_lost/<k>`` is written and a ``host_lost``
 event recorded.

@@ -1,11 +1,12 @@
-"""Node 0's watch over nodes whose launchers it did not start (``--no_ssh``): did they connect, are they done.
+"""A launcher's watch over nodes whose launchers it did not start: did they connect, are they done.
 
 With ``--no_ssh`` every node's launcher is started by someone else (a scheduler, a person), with the same
 hostfile and ``--node_rank K``. Node 0 hosts the store (unless a ``ds-recycle store`` service does) and computes
 the job's status, so it waits until every rank of every node has exited: for their ``ds_recycle/exit/<rank>``
 keys. Each launcher of node K > 0 writes ``ds_recycle/node/<K>`` (its host name) when it has connected; a node
 that has not done so within the connect timeout (``--store_timeout``) is reported and the job is stopped, since
-its ranks can never join.
+its ranks can never join. On an etcd store with several hosts every node's launcher watches all the others
+this way and reports the job's status (node 0's own may be lost; node 0 announces itself there too).
 """
 from __future__ import annotations
 

@@ -595,6 +595,16 @@ class Supervisor:
         except (RuntimeError, OSError, ValueError):
             return None
 
+    def _record_job_over(self, status: int) -> None:
+        """On etcd every launcher reports the job: once every rank has exited, or the job was stopped as a whole,
+        the namespace holds a job that is over (a launcher that only gave up on it leaves it as it is)."""
+        everyone = [keys.exit_key(r) for r in range(self.job.layout.world_size)]
+        try:
+            if self.store.check(everyone) or self.store.check([keys.STOP_KEY]):
+                self.store.set(keys.JOB_OVER_KEY, str(status))
+        except (RuntimeError, OSError) as err:
+            logger.warning("could not record the end of the job in the store: %s", err)
+
     def _report(self) -> int:
         final = self._final_codes()
         status = job_status(final, self.job.policy.strict, require_finished=self.hosts_store or self.others is not None)
@@ -602,11 +612,8 @@ class Supervisor:
             status = max(status, 1)
         if self._signal is not None:
             status = 128 + int(self._signal)
-        if self.others is not None and self.job.store is not None and not self._store_lost:
-            try:  # every launcher of a job on etcd reports the job: the namespace now holds a job that is over
-                self.store.set(keys.JOB_OVER_KEY, str(status))
-            except (RuntimeError, OSError) as err:
-                logger.warning("could not record the end of the job in the store: %s", err)
+        if self.others is not None and self.job.store is not None and not self.hosts_store_lost():
+            self._record_job_over(status)
         for exit in sorted(self.exits, key=lambda e: (e.rank is None, e.rank or 0, e.restart_count)):
             logger.info("summary: %s", exit.describe())
         kinds = [ExitKind.ERROR if code is None else exit_kind(code) for code in final.values()]
