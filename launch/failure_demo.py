@@ -13,6 +13,11 @@
    from its latest checkpoint and trains to the end. Its time includes both start-ups, the lost partial
    iteration and the iterations redone since the checkpoint.
 
+With ``--slow P:S@N*F`` (repeatable; ``P:S@M*1`` ends it) both systems also meet a slow worker: an emulated
+slow accelerator, whose forward, backward and optimizer step are each followed by ``F - 1`` times their own
+duration of sleep from iteration N on. ds_recycle finds it (``SLOW: ...`` as it happens), plans around it and
+goes back when it is fast again; vanilla DeepSpeed runs every pipeline at its pace.
+
 Prints a table (time to the final model, iterations lost, failure and rejoin times), writes
 ``throughput.png`` (tokens/s over wall-clock time, failures, restart and rejoins marked), and checks that both
 final models are the same (``ds-recycle compare --rtol 1e-5``).
@@ -34,8 +39,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ds_recycle.events import AgreementEvent, RecoveredEvent, RejoinEvent, events_of, parse_event  # noqa: E402
-from ds_recycle.resilience.faults import parse_fault  # noqa: E402
+from ds_recycle.events import (  # noqa: E402
+    AgreementEvent,
+    RecoveredEvent,
+    RejoinEvent,
+    SlowWorkerEvent,
+    events_of,
+    parse_event,
+)
+from ds_recycle.resilience.faults import parse_fault, parse_slow  # noqa: E402
 from ds_recycle.tools.jobs import Kill, Launcher, MetricsTail, TrainJob, Watchdog, rank_of  # noqa: E402
 
 POLL_S = 0.1
@@ -187,6 +199,12 @@ def table(args: argparse.Namespace, recycle: Side, vanilla: Side) -> None:
     for rec in recovered:
         print(f"ds_recycle: failure -> first full iteration {rec.failure_to_full_iteration_s:.3f} s "
               f"({rec.repair_summary()})")
+    for spec in args.slow:
+        (pipeline, stage), iteration, factor = parse_slow(spec)
+        print(f"slow accelerator injected in both systems: worker ({pipeline}, {stage}) x{factor:g} from iteration "
+              f"{iteration} (emulated: sleep after each compute instruction)")
+    for event in events_of(recycle.lives, SlowWorkerEvent):
+        print(f"ds_recycle at iteration {event.iteration}: {event.describe()}")
     print("times are seconds since each job's launch; 'iterations lost' counts finished iterations rolled back "
           "(vanilla: to its checkpoint, and its partial iteration is lost too)")
 
@@ -230,8 +248,16 @@ def main() -> int:
                    help="seconds before the killed worker (ds_recycle) or the job (vanilla) is started again")
     p.add_argument("--linger", type=float, default=10.0,
                    help="seconds ds_recycle's launcher may run on after the final model is saved")
+    p.add_argument("--slow", action="append", default=[], metavar="P:S@N*F",
+                   help="both systems: worker (P, S) runs F times as long from iteration N on (emulated slow "
+                        "accelerator; repeatable, F=1 ends it)")
     p.add_argument("--out", default=str(REPO / "runs" / "failure-demo"))
     args = p.parse_args()
+    for spec in args.slow:
+        try:
+            parse_slow(spec)
+        except ValueError as err:
+            p.error(f"--slow: {err}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     from ds_recycle.config import load_config
 
@@ -245,7 +271,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name in STALE:  # a previous demo's metrics would be read as this one's progress
         (out / name).unlink(missing_ok=True)
-    common = ["--deepspeed_config", args.config, "--steps", str(args.steps)]
+    common = ["--deepspeed_config", args.config, "--steps", str(args.steps),
+              *(part for spec in args.slow for part in ("--slow", spec))]
     recycle = run_recycle(args, common, out)
     vanilla = run_vanilla(args, common, out)
     table(args, recycle, vanilla)

@@ -79,11 +79,45 @@ def main(argv: Sequence[str] | None = None) -> None:
     install_deepspeed_hook()
     target = args[0]
     sys.argv = args
-    if as_module:
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script.py` does
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script.py` does
+            runpy.run_path(target, run_name="__main__")
+    except Exception:
+        _leave_as_lost_if_a_peer_died_in_start_up()
+        raise
+
+
+def _leave_as_lost_if_a_peer_died_in_start_up() -> None:
+    """The script raised: if that was during the start-up and a peer's death explains it, leave as lost (the
+    start-up restarts with every rank) instead of failing the job. The wait covers a host's loss, which the
+    launchers declare after their node timeout; on one host a death is reported within milliseconds."""
+    from ds_recycle.launcher.hosts import Layout
+    from ds_recycle.launcher.hostwatch import LAYOUT_KEY, NODE_TIMEOUT_KEY
+    from ds_recycle.resilience.checkpoint import LOST_EXIT_CODE
+    from ds_recycle.resilience.store import connect_store
+    from ds_recycle.resilience.world import peer_lost_in_start_up, under_recycle_launcher
+
+    if not under_recycle_launcher():
+        return
+    try:
+        store = connect_store()
+        several = (store.check([LAYOUT_KEY, NODE_TIMEOUT_KEY])
+                   and len(Layout.decode(store.get(LAYOUT_KEY).decode()).nodes) > 1)
+        wait_s = float(store.get(NODE_TIMEOUT_KEY).decode()) + 3.0 if several else 2.0
+        lost = peer_lost_in_start_up(wait_s)
+    except Exception:  # noqa: BLE001 (the store is gone too: the original error is what to report)
+        return
+    if lost:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.write(f"ds_recycle: a peer was lost during the start-up: leaving as lost (exit {LOST_EXIT_CODE}) "
+                         "for the start-up to begin again\n")
+        sys.stderr.flush()
+        os._exit(LOST_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -274,10 +274,10 @@ def _run(args: argparse.Namespace, server: ForkServer | None) -> tuple[int, bool
         others = OtherNodes(store, job.layout, [k for k in nodes if k != job.node_rank], args.store_timeout)
     watch, lease, lease_store, rejoin = None, None, None, False
     if node0 and not job.store_service and job.store is None:
-        watch = NodeWatch(job.layout, job.node_timeout_s, nodes[1:], me="0")
+        watch = NodeWatch(job.layout, job.node_timeout_s, nodes[1:], me="0", restart_start_up=not job.policy.strict)
     elif several_on_etcd:  # no launcher hosts the store: every one watches the others (one declares each loss)
         watch = NodeWatch(job.layout, job.node_timeout_s, [k for k in nodes if k != job.node_rank],
-                          me=str(job.node_rank))
+                          me=str(job.node_rank), restart_start_up=not job.policy.strict)
     if job.node_rank > 0 or job.store_service or several_on_etcd:
         lease = Lease(job.master_addr, job.master_port, job.node_rank, job.node_timeout_s, args.store_timeout,
                       store_spec=job.store)

@@ -114,10 +114,13 @@ class HostEvents:
 class NodeWatch:
     """Run by whoever hosts the store: declares nodes whose heartbeat stopped lost (see the module docstring)."""
 
-    def __init__(self, layout: Layout, node_timeout_s: float, watched: Sequence[int], me: str = "store") -> None:
-        """``me``: who watches (a node's rank, or ``store`` for the store's host), recorded in the claims."""
+    def __init__(self, layout: Layout, node_timeout_s: float, watched: Sequence[int], me: str = "store",
+                 restart_start_up: bool = True) -> None:
+        """``me``: who watches (a node's rank, or ``store`` for the store's host), recorded in the claims;
+        ``restart_start_up``: a node lost before the start-up was over restarts it (False under ``--strict``)."""
         self.layout = layout
         self.me = me
+        self.restart_start_up = restart_start_up
         self.node_timeout_s = node_timeout_s
         self.watched = tuple(watched)
         self._last: dict[int, tuple[int, float]] = {}
@@ -170,6 +173,14 @@ class NodeWatch:
                 marked.append(rank)
         if marked:
             keys.publish_exit_count(store, self.layout.world_size)
+            generation = keys.generation(store)
+            # lost before the start-up was over: every rank starts again (this node's once its launcher is back)
+            for _ in marked if self.restart_start_up else ():
+                if keys.note_start_up_death(store, generation):
+                    logger.warning("node %d was lost during the start-up of generation %d: every rank starts again "
+                                   "as generation %d (node %d's ranks once its launcher is back)", k, generation,
+                                   generation + 1, k, extra={"event": "start_up_restart", "node": k})
+                    break
         reason = f"no heartbeat for {silent_s:.1f} s (host lost or cut off)"
         store.set(node_lost_key(k), reason)
         self.lost.add(k)

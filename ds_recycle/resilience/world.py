@@ -19,7 +19,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["World", "disable_cpu_jit_ops", "end_start_up_without_handler", "init_worker", "under_recycle_launcher"]
+__all__ = ["World", "disable_cpu_jit_ops", "end_start_up_without_handler", "init_worker", "peer_lost_in_start_up",
+           "under_recycle_launcher"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,32 @@ def end_start_up_without_handler() -> None:
 
     store = connect_store()
     store.set(started_key(generation(store)), "1")
+
+
+def peer_lost_in_start_up(wait_s: float) -> bool:
+    """Under ``ds-recycle launch``, for a worker whose start-up ended in an exception: whether a peer's death
+    explains it. True when this process's generation has not finished its start-up and, within ``wait_s``, a
+    rank of it is reported lost before the end of the start-up or the start-up is restarted (a peer that died
+    while the groups were built fails the others' connections, often before its loss is reported: a whole
+    host's loss is declared only after the launchers' node timeout)."""
+    if not under_recycle_launcher():
+        return False
+    import time
+
+    from ds_recycle.resilience.store import connect_store
+    from ds_recycle.runtime.job_store import GENERATION_ENV, generation, start_up_deaths_key, started_key
+
+    store = connect_store()
+    mine = int(os.environ.get(GENERATION_ENV, "0"))
+    deadline = time.monotonic() + wait_s
+    while True:
+        if store.check([started_key(mine)]):
+            return False
+        if generation(store) != mine or int(store.add(start_up_deaths_key(mine), 0)) > 0:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def disable_cpu_jit_ops() -> None:

@@ -15,6 +15,7 @@ from ds_recycle.model import build_pipeline_module
 from ds_recycle.resilience.world import World
 from ds_recycle.train.optim import build_optimizer
 from ds_recycle.train.runner import IterationResult
+from ds_recycle.train.throttle import throttle_pipeline_engine
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,11 @@ class VanillaRunner:
         self.engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=cfg.deepspeed)
         self.source = MicroBatchSource(cfg)
         self.pipeline = self.engine.grid.get_data_parallel_id()
+        worker = (self.pipeline, self.engine.stage_id)
+        slowdowns = [(f.iteration, f.slow) for f in cfg.recycle.faults if f.slow is not None and f.worker == worker]
+        if slowdowns:  # --slow: the same slow accelerator as a ds_recycle run meets (no kill: vanilla dies whole)
+            throttle_pipeline_engine(self.engine, slowdowns)
+            logger.warning("worker %s: slow accelerator injected (from iteration, factor): %s", worker, slowdowns)
 
     def train_iteration(self, iteration: int) -> IterationResult:
         loss = self.engine.train_batch(data_iter=self.source.iteration(iteration, self.pipeline))

@@ -119,3 +119,29 @@ def test_a_cut_off_host_fences_itself_the_rest_go_on_and_two_hosts_lost_end_the_
     assert sorted(p.name for p in (ckpt / latest).iterdir()) == ["stage0.pt", "stage1.pt"]
     print(f"host 2 cut: fenced in {fenced:.1f} s, first iteration on 4 workers {training:.1f} s after the cut, "
           f"rejoined {back:.1f} s after the heal; hosts 1 and 2 lost: node 0 left {ended:.1f} s later (exit {code})")
+
+
+@pytest.mark.timeout(420)
+def test_a_host_lost_during_the_start_up_starts_it_again_once_back(
+        etcd_hosts: tuple[NetHosts, EtcdCluster], tmp_path: Path, reference_2x3: tuple[Path, Path]) -> None:
+    """Host 2 (its launcher, workers and etcd member) is SIGKILLed while the workers start, before the first
+    iteration. The watch's declaration restarts the start-up as generation 1; the others wait in it until host 2
+    boots again and its launcher restarts its ranks; the job ends at the failure-free model."""
+    hosts, cluster = etcd_hosts
+    config, reference = reference_2x3
+    job = _job(hosts, cluster, tmp_path, config)
+    job.start_all_no_ssh()
+    _wait_until("host 2's workers started", lambda: len(_workers(hosts, 2)) == 2, 120)
+    time.sleep(1.0)
+    hosts.kill_host(2)
+    assert not job.metrics(), "the first iteration ended before the kill: not a death during the start-up"
+    _wait_until("the start-up restarted", lambda: any("during the start-up of generation 0" in job.text(f"node{k}")
+                                                      for k in (0, 1)), 60)
+    hosts.revive(2)
+    cluster.start(2)
+    cluster.wait_healthy([2], 30)
+    job.start_node(2)
+    codes = job.finish(300)
+    assert codes == {"node0": 0, "node1": 0, "node2": 0}, (codes, job.logs())
+    assert job.metrics()[0]["live_workers"] == 6 and job.metrics()[-1]["iter"] == LONG_STEPS - 1
+    assert_same_model(job.final_path, reference)

@@ -157,3 +157,26 @@ def test_death_right_after_initialize_is_survived_same_model(
     recovered = "recovered from the loss of ranks [1]" in out
     assert restarted or recovered, out[-5000:]
     assert_same_model(tmp_path / "final.pt", reference(2, 2, STEPS))
+
+
+def test_a_start_up_error_is_a_lost_peer_only_when_a_death_of_that_start_up_is_reported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose script raised during the start-up leaves as lost when a rank of its generation was lost
+    before the start-up ended (a host's loss is reported after the node timeout: it waits that long), and
+    reports its error otherwise."""
+    from ds_recycle.resilience.world import peer_lost_in_start_up
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    monkeypatch.setenv("DS_RECYCLE_LAUNCHER", "1")
+    monkeypatch.setenv("DS_RECYCLE_STORE", f"127.0.0.1:{store.port}")
+    monkeypatch.setenv(keys.GENERATION_ENV, "0")
+    started = time.monotonic()
+    assert not peer_lost_in_start_up(0.5)  # nothing reported: the script's own error
+    assert time.monotonic() - started >= 0.5
+    threading.Timer(0.3, lambda: store.add(keys.start_up_deaths_key(0), 1)).start()
+    assert peer_lost_in_start_up(5.0)  # reported while it waits
+    store.set(keys.started_key(0), "1")
+    assert not peer_lost_in_start_up(5.0)  # the start-up was over: the failure handler's business
+    monkeypatch.setenv(keys.GENERATION_ENV, "1")
+    store.add(keys.GENERATION_KEY, 2)
+    assert peer_lost_in_start_up(0.1)  # the job moved on to another generation: its start-up restarted
