@@ -112,7 +112,8 @@ class HostEvents:
 
 
 class NodeWatch:
-    """Run by whoever hosts the store: declares nodes whose heartbeat stopped lost (see the module docstring)."""
+    """Declares nodes whose heartbeat stopped lost (see the module docstring); run by whoever hosts the store, or
+    by every launcher of a job on etcd."""
 
     def __init__(self, layout: Layout, node_timeout_s: float, watched: Sequence[int], me: str = "store",
                  restart_start_up: bool = True) -> None:
@@ -165,6 +166,7 @@ class NodeWatch:
         parts = held.split()
         stale = len(parts) != 3 or parts[0] != str(beats) or time.time() - float(parts[2]) > self.node_timeout_s
         return stale and store.compare_set(key, held, mine).decode() == mine
+
     def _declare_lost(self, store: Store, k: int, silent_s: float) -> None:
         marked = []
         for rank in node_ranks(self.layout, k):
@@ -173,14 +175,14 @@ class NodeWatch:
                 marked.append(rank)
         if marked:
             keys.publish_exit_count(store, self.layout.world_size)
-            generation = keys.generation(store)
-            # lost before the start-up was over: every rank starts again (this node's once its launcher is back)
-            for _ in marked if self.restart_start_up else ():
+            # lost before the start-up of the generation its ranks were started for was over: every rank starts
+            # again (this node's once its launcher is back); a later generation, begun meanwhile, is not touched
+            for rank in marked if self.restart_start_up else ():
+                generation = keys.read_int(store, keys.started_for_key(rank)) or 0
                 if keys.note_start_up_death(store, generation):
                     logger.warning("node %d was lost during the start-up of generation %d: every rank starts again "
                                    "as generation %d (node %d's ranks once its launcher is back)", k, generation,
                                    generation + 1, k, extra={"event": "start_up_restart", "node": k})
-                    break
         reason = f"no heartbeat for {silent_s:.1f} s (host lost or cut off)"
         store.set(node_lost_key(k), reason)
         self.lost.add(k)

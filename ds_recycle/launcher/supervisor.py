@@ -365,6 +365,8 @@ class Supervisor:
         older generation than the job's leaves at once instead of joining a start-up it does not belong to)."""
         try:
             self._started_in[rank] = 0 if self._store_lost else keys.generation(self.store)
+            if not self._store_lost:  # a host's loss is counted against the generation its ranks were started for
+                self.store.set(keys.started_for_key(rank), str(self._started_in[rank]))
         except (RuntimeError, OSError):
             return {}  # the store is gone: no restart can be asked of it either
         return {keys.GENERATION_ENV: str(self._started_in[rank])}

@@ -79,7 +79,7 @@ __all__ = ["EXITS_KEY", "FENCE_REQUESTS_KEY", "GENERATION_ENV", "GENERATION_KEY"
            "connect_store", "exit_key", "exit_queue_key", "fallback_directory_key", "fence_key", "generation",
            "host_store", "is_etcd", "node_key", "note_start_up_death", "open_store", "publish_exit_count",
            "read_int", "request_start_up_restart", "resilient_key", "restart_request_key", "restart_result_key",
-           "restarted_key", "start_up_deaths_key", "start_up_restart_key", "started_key"]
+           "restarted_key", "start_up_deaths_key", "start_up_restart_key", "started_for_key", "started_key"]
 
 EXITS_KEY = "ds_recycle/exits"
 STOP_KEY = "ds_recycle/stop"
@@ -120,6 +120,12 @@ def generation(store: Store) -> int:
 
 def resilient_key(generation: int) -> str:
     return f"ds_recycle/gen{generation}/resilient"
+
+
+def started_for_key(rank: int) -> str:
+    """The generation ``rank``'s latest process was started for, written by its launcher at each start (the
+    worker's own ``ds_recycle/rank_generation/<rank>`` says which generation's start-up it went through)."""
+    return f"ds_recycle/started_for/{rank}"
 
 
 def start_up_deaths_key(generation: int) -> str:

@@ -135,8 +135,7 @@ def test_a_host_lost_during_the_start_up_starts_it_again_once_back(
     time.sleep(1.0)
     hosts.kill_host(2)
     assert not job.metrics(), "the first iteration ended before the kill: not a death during the start-up"
-    _wait_until("the start-up restarted", lambda: any("during the start-up of generation 0" in job.text(f"node{k}")
-                                                      for k in (0, 1)), 60)
+    _wait_until("the start-up restarted", lambda: any("(generation 1)" in job.text(f"node{k}") for k in (0, 1)), 60)
     hosts.revive(2)
     cluster.start(2)
     cluster.wait_healthy([2], 30)
@@ -144,4 +143,5 @@ def test_a_host_lost_during_the_start_up_starts_it_again_once_back(
     codes = job.finish(300)
     assert codes == {"node0": 0, "node1": 0, "node2": 0}, (codes, job.logs())
     assert job.metrics()[0]["live_workers"] == 6 and job.metrics()[-1]["iter"] == LONG_STEPS - 1
+    assert "(generation 2)" not in job.logs(100_000)  # one restart of the start-up for one loss
     assert_same_model(job.final_path, reference)
