@@ -267,17 +267,17 @@ def _run(args: argparse.Namespace, server: ForkServer | None) -> tuple[int, bool
     workers = [Worker(spec, sink, server) for spec in worker_specs(job)]
     node0 = job.node_rank == 0
     remotes = _remote_workers(job, args, sink) if node0 and not args.no_ssh else []
-    nodes = range(len(job.layout.nodes))
-    several_on_etcd = job.store is not None and len(nodes) > 1
+    other_nodes = [k for k in range(len(job.layout.nodes)) if k != job.node_rank]
+    several_on_etcd = job.store is not None and bool(other_nodes)
     others = None
-    if (node0 and args.no_ssh and len(nodes) > 1) or several_on_etcd:  # wait for the others' ranks, report the job
-        others = OtherNodes(store, job.layout, [k for k in nodes if k != job.node_rank], args.store_timeout)
+    if (node0 and args.no_ssh and other_nodes) or several_on_etcd:  # wait for the others' ranks, report the job
+        others = OtherNodes(store, job.layout, other_nodes, args.store_timeout)
     watch, lease, lease_store, rejoin = None, None, None, False
-    if node0 and not job.store_service and job.store is None:
-        watch = NodeWatch(job.layout, job.node_timeout_s, nodes[1:], me="0", restart_start_up=not job.policy.strict)
-    elif several_on_etcd:  # no launcher hosts the store: every one watches the others (one declares each loss)
-        watch = NodeWatch(job.layout, job.node_timeout_s, [k for k in nodes if k != job.node_rank],
-                          me=str(job.node_rank), restart_start_up=not job.policy.strict)
+    if (node0 and not job.store_service and job.store is None) or several_on_etcd:
+        # the store's host watches the other nodes; on etcd no launcher hosts it, so every one does (one declares
+        # each loss)
+        watch = NodeWatch(job.layout, job.node_timeout_s, other_nodes, me=str(job.node_rank),
+                          restart_start_up=not job.policy.strict)
     if job.node_rank > 0 or job.store_service or several_on_etcd:
         lease = Lease(job.master_addr, job.master_port, job.node_rank, job.node_timeout_s, args.store_timeout,
                       store_spec=job.store)
