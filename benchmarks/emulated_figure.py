@@ -89,6 +89,8 @@ class Case:
     """Timing noise: each emulated op time scaled by a factor from [1 - jitter, 1 + jitter]."""
     fail_slow: bool = True
     """ds_recycle's detection of slow workers and re-planning around them (``recycle.fail_slow.enabled``)."""
+    model_args: tuple[str, ...] = ()
+    """The emulated model's arguments to the script (default: ``--costs`` with the run's profile)."""
 
     @property
     def failed(self) -> tuple[Worker, ...]:
@@ -259,7 +261,7 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
     config = _configs(work, case, stages, pipelines, m, costs_file)
     nproc = stages * pipelines - len(case.absent)
     args = [str(SCRIPT if case.engine == "vanilla" else work / "train.py"), "--deepspeed_config", str(config),
-            "--costs", str(profile_file), "--stages", str(stages), "--steps", str(steps), "--warmup", str(warmup),
+            *(case.model_args or ("--costs", str(profile_file))), "--stages", str(stages), "--steps", str(steps), "--warmup", str(warmup),
             *(f"--slow={d}:{s}@{at}*{factor}" for (d, s), at, factor in case.slow),
             *([f"--jitter={case.jitter}"] if case.jitter else [])]
     if case.engine == "vanilla":

@@ -17,17 +17,21 @@ import cProfile
 import json
 import os
 import time
+from typing import Any
 
 import deepspeed
 import torch.distributed as dist
 
 from benchmarks.emulated.layers import set_jitter, set_slowdown
-from benchmarks.emulated.model import build
+from benchmarks.emulated.model import build, build_layers
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="DeepSpeed pipeline training of the emulated GPT")
-    parser.add_argument("--costs", required=True, help="a profile: per-stage F, B, W in milliseconds")
+    parser.add_argument("--costs", default=None, help="a profile: per-stage F, B, W in milliseconds")
+    parser.add_argument("--layer-costs", default=None,
+                        help="instead of --costs: per-layer F, B, W in milliseconds (embedding first, head last) "
+                             "and the layer boundaries to cut at ('parts')")
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps before the CPU time is counted")
@@ -51,18 +55,29 @@ def parse_slow(text: str) -> tuple[tuple[int, int], int, float]:
 
 
 def build_module(args: argparse.Namespace) -> tuple:
-    costs = json.load(open(args.costs))
+    if (args.costs is None) == (args.layer_costs is None):
+        raise SystemExit("give one of --costs (per-stage profile) and --layer-costs (per-layer costs and parts)")
+    if args.costs is not None:
+        costs = json.load(open(args.costs))
+
+        def make(**where: Any) -> tuple:
+            return build(costs, args.stages, **where)
+    else:
+        layer_ms = json.load(open(args.layer_costs))
+
+        def make(**where: Any) -> tuple:
+            return build_layers(layer_ms, layer_ms["parts"], args.stages, **where)
     with open(args.deepspeed_config) as f:
         recycle = json.load(f).get("recycle", {})
     absent = recycle.get("assume_failed", [])
     if not absent:
-        return build(costs, args.stages)
+        return make()
     from ds_recycle.runtime.grid import SurvivorGrid, WorkerMap, survivor_module_grid
 
     workers = WorkerMap.dense(args.stages, recycle["pipelines"], frozenset(tuple(w) for w in absent))
     grid = SurvivorGrid(workers, timeout_s=recycle.get("failure_timeout_s", 300.0))
     with survivor_module_grid(grid):
-        return build(costs, args.stages, topology=grid.topology())
+        return make(topology=grid.topology())
 
 
 def main() -> None:

@@ -44,6 +44,8 @@ class Assumptions:
     bamboo_node_state_gb: float
     shrink_policy: ShrinkPolicy = ShrinkPolicy.SHRINK
     recycle_rebalance: bool = False
+    repartition_after_iterations: int = 3
+    repartition_horizon: int = 100
 
     def describe(self) -> list[tuple[str, str, str]]:
         """(name, value, source) rows for the report."""
@@ -91,6 +93,10 @@ SOURCES: dict[str, str] = {
     "recycle_rebalance": "beyond the paper, off by default: after a failure ReCycle may move a live node "
                          "from the stage with the fewest failures to the one with the most (state copy "
                          "from a peer plus a re-plan) whenever the planner says the job gets faster",
+    "repartition_after_iterations": "ReCycle + re-partition: iterations a membership must last before the "
+                                    "planner considers moving layers (a failure healed sooner is only re-routed)",
+    "repartition_horizon": "ReCycle + re-partition: iterations over which the time a move saves must exceed "
+                           "the move's transfer (its layers' 16 B/param state at the inter-node bandwidth)",
 }
 
 

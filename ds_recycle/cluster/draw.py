@@ -20,7 +20,8 @@ from ds_recycle.cluster.trace import EventKind
 __all__ = ["draw_timeline", "draw_frequency", "binned_rate", "COLORS"]
 
 COLORS: dict[SystemKind, str] = {
-    SystemKind.RECYCLE: "#d62728", SystemKind.OOBLECK: "#1f77b4", SystemKind.BAMBOO: "#2ca02c",
+    SystemKind.RECYCLE: "#d62728", SystemKind.RECYCLE_REPARTITION: "#8c564b", SystemKind.OOBLECK: "#1f77b4",
+    SystemKind.BAMBOO: "#2ca02c",
     SystemKind.CHECKPOINT: "#7f7f7f", SystemKind.DROP: "#9467bd", SystemKind.RECOVER: "#ff7f0e",
 }
 

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from functools import cache
 
 from ds_recycle.plan import CostModel
+from ds_recycle.plan.partition import LayerCosts, Partition
 
 __all__ = ["Hardware", "ModelProfile", "A100_NODE", "MODELS", "model_names", "get_model",
-           "stage_layers", "stage_costs", "BYTES_PER_PARAM"]
+           "stage_layers", "stage_costs", "layer_costs", "base_partition", "BYTES_PER_PARAM"]
 
 #: Mixed-precision Adam model state per parameter (ZeRO, arXiv 1910.02054, section 3.1).
 BYTES_PER_PARAM = 16
@@ -172,3 +173,37 @@ def stage_costs(m: ModelProfile, hw: Hardware, stages: int, pipelines: int,
         os_.append(ring + step)
     comm = 2.0 * micro_batch * m.seq_len * m.hidden / (hw.inter_node_gbs * 1e9)
     return CostModel(F=tuple(fs), B=tuple(bs), W=tuple(ws), O=tuple(os_), comm=comm)
+
+
+def layer_costs(m: ModelProfile, hw: Hardware, pipelines: int, micro_batch: int) -> LayerCosts:
+    """Per-layer costs as a ``PipelineModule`` lists them: the token embedding (parameters, no compute
+    counted), every transformer layer, the language-model head (its compute; its weights tied to the embedding,
+    so a copy lives on the last stage as DeepSpeed's ``TiedLayerSpec`` keeps it). ``O`` and the moved state
+    follow each layer's parameters as :func:`stage_costs` counts them; a move runs at ``inter_node_gbs``."""
+    rate = hw.peak_tflops * 1e12 * hw.mfu * hw.gpus_per_node
+    f1, b1, w1 = (x / rate for x in _layer_flops(m, micro_batch))
+    head = _head_flops(m, micro_batch) / rate
+    block, edge = 12 * m.hidden ** 2, m.vocab * m.hidden
+
+    def o(params: int) -> float:
+        ring = 2.0 * (pipelines - 1) / pipelines * 2.0 * params / (hw.inter_node_gbs * 1e9)
+        return ring + 2.0 * BYTES_PER_PARAM * params / (hw.hbm_gbs * 1e9 * hw.gpus_per_node)
+
+    n = m.layers
+    return LayerCosts(F=(0.0, *[f1] * n, head), B=(0.0, *[b1] * n, head), W=(0.0, *[w1] * n, head),
+                      O=(o(edge), *[o(block)] * n, o(edge)),
+                      state_bytes=(float(BYTES_PER_PARAM * edge), *[float(BYTES_PER_PARAM * block)] * n,
+                                   float(BYTES_PER_PARAM * edge)),
+                      bandwidth=hw.inter_node_gbs * 1e9,
+                      comm=2.0 * micro_batch * m.seq_len * m.hidden / (hw.inter_node_gbs * 1e9))
+
+
+def base_partition(m: ModelProfile, stages: int, micro_batch: int) -> Partition:
+    """The partition :func:`stage_costs` assumes, over :func:`layer_costs`' layers (embedding first, head last)."""
+    f1 = _layer_flops(m, micro_batch)[0]
+    split = stage_layers(m.layers, stages, _head_flops(m, micro_batch) / f1)
+    parts = [0, 1 + split[0]]
+    for n in split[1:]:
+        parts.append(parts[-1] + n)
+    parts[-1] += 1
+    return tuple(parts)

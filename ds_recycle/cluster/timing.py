@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 
 from ds_recycle.cluster.workload import Workload
-from ds_recycle.plan import PlanCache, StageLostError, make_plan, normalize_failures
+from ds_recycle.plan import CostModel, PlanCache, StageLostError, make_plan, normalize_failures
+from ds_recycle.plan.partition import LayerCosts, Partition, RepartitionChoice, choose_partition
 
 __all__ = ["BaselineSchedule", "JobShape", "PipelineTimer", "StageLostError"]
 
@@ -95,6 +96,8 @@ class PipelineTimer:
         self._caches: dict[int, PlanCache] = {}
         self._recycle_memo: dict[object, float] = {}
         self._baseline_memo: dict[tuple[int, int, int], float] = {}
+        self._partition_memo: dict[object, float] = {}
+        self._choice_memo: dict[object, RepartitionChoice] = {}
 
     def with_baseline(self, baseline: BaselineSchedule) -> PipelineTimer:
         """A timer for another baseline schedule sharing this one's ReCycle plans and statistics."""
@@ -143,6 +146,51 @@ class PipelineTimer:
         self._recycle_memo[memo_key] = value
         logger.debug("recycle plan Dg=%s failed=%s: %.4f s/iteration", size, sorted(failed), value)
         return value
+
+    # -- ReCycle + re-partition --------------------------------------------------------------------
+    def layers(self) -> tuple[LayerCosts, Partition]:
+        """The workload's per-layer costs and the job's own partition (see :meth:`Workload.layers_at`)."""
+        return self.workload.layers_at(self.shape.stages, self.shape.pipelines)
+
+    def partition_iteration_s(self, failed: frozenset[Worker], parts: Partition) -> float:
+        """Time per iteration of ReCycle's adapted plan with the model cut at ``parts``."""
+        return self._costs_iteration_s(failed, self.layers()[0].stage_costs(parts))
+
+    def _costs_iteration_s(self, failed: frozenset[Worker], costs: CostModel) -> float:
+        S, D = self.shape.stages, self.shape.pipelines
+        counts = [0] * S
+        for _, s in failed:
+            counts[s] += 1
+        for s, f in enumerate(counts):
+            if f >= D:
+                raise StageLostError(s, D)
+        sizes = self.shape.group_sizes
+        groups = [failed] if len(sizes) == 1 else _spread(counts, sizes)
+        worst = 0.0
+        for size, fs in zip(sizes, groups):
+            key = (size, normalize_failures(fs, S, size)[0], costs)
+            hit = self._partition_memo.get(key)
+            if hit is None:
+                t0 = time.perf_counter()
+                hit = make_plan(S, size, self.shape.microbatches, costs, fs,
+                                memory_limit=self.memory_limit).time_per_iteration
+                self.stats.recycle_plan_s += time.perf_counter() - t0
+                self.stats.recycle_plans += 1
+                self._partition_memo[key] = hit
+            worst = max(worst, hit)
+        return worst
+
+    def repartition_choice(self, failed: frozenset[Worker], current: Partition, horizon: int) -> RepartitionChoice:
+        """:func:`~ds_recycle.plan.partition.choose_partition` for this job (every re-routing group planned)."""
+        key = (normalize_failures(failed, self.shape.stages, self.shape.pipelines)[0], current, horizon)
+        hit = self._choice_memo.get(key)
+        if hit is None:
+            layers = self.layers()[0]
+            hit = choose_partition(layers, self.shape.stages, self.shape.pipelines, self.shape.microbatches,
+                                   failed, current, horizon=horizon,
+                                   timer=lambda costs: self._costs_iteration_s(failed, costs))
+            self._choice_memo[key] = hit
+        return hit
 
     # -- everyone else ------------------------------------------------------------------------------
     def baseline_iteration_s(self, stages: int, pipelines: int, microbatches: int) -> float:

@@ -12,10 +12,22 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ds_recycle.cluster.models import A100_NODE, BYTES_PER_PARAM, Hardware, ModelProfile, stage_costs
+from ds_recycle.cluster.models import (
+    A100_NODE,
+    BYTES_PER_PARAM,
+    Hardware,
+    ModelProfile,
+    base_partition,
+    layer_costs,
+    stage_costs,
+)
 from ds_recycle.plan import CostModel
+from ds_recycle.plan.partition import LayerCosts, Partition
 
-__all__ = ["Workload", "workload_from_model", "workload_from_costs_file"]
+__all__ = ["Workload", "workload_from_model", "workload_from_costs_file", "FILE_LAYERS_PER_STAGE"]
+
+FILE_LAYERS_PER_STAGE = 16
+"""A cost file gives stages, not layers: re-partitioning treats each of its stages as this many equal layers."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,10 @@ class Workload:
     def costs_at(self, stages: int, pipelines: int) -> CostModel:
         return _costs_at(self, stages, pipelines)
 
+    def layers_at(self, stages: int, pipelines: int) -> tuple[LayerCosts, Partition]:
+        """Per-layer costs and the partition :meth:`costs_at` assumes (what re-partitioning starts from)."""
+        return _layers_at(self, stages, pipelines)
+
     def stage_state_bytes(self, stages: int) -> float:
         return self.state_bytes_total / stages
 
@@ -59,6 +75,19 @@ def _costs_at(w: Workload, stages: int, pipelines: int) -> CostModel:
     spread = lambda xs: tuple([sum(xs) / stages] * stages)  # noqa: E731 - one-line helper
     return CostModel(F=spread(c.F), B=spread(c.B), W=spread(c.W),
                      O=tuple([max(c.O)] * stages), comm=c.comm)
+
+
+@lru_cache(maxsize=256)
+def _layers_at(w: Workload, stages: int, pipelines: int) -> tuple[LayerCosts, Partition]:
+    if w.model is not None:
+        return (layer_costs(w.model, w.hardware, pipelines, w.micro_batch),
+                base_partition(w.model, stages, w.micro_batch))
+    c, n = w.costs_at(stages, pipelines), FILE_LAYERS_PER_STAGE
+    per = {k: tuple(v / n for v in getattr(c, k) for _ in range(n)) for k in ("F", "B", "W", "O")}
+    state = w.stage_state_bytes(stages) / n
+    layers = LayerCosts(per["F"], per["B"], per["W"], per["O"], (state,) * (n * stages),
+                        w.hardware.inter_node_gbs * 1e9, c.comm)
+    return layers, tuple(n * s for s in range(stages + 1))
 
 
 def workload_from_model(model: ModelProfile, micro_batch: int,

@@ -10,6 +10,7 @@ from typing import Any
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError
 from ds_recycle.plan.ops import MicroBatch, Op, OpKind, Worker
+from ds_recycle.plan.partition import check_partition
 
 __all__ = ["Plan", "FORMAT", "SCHEDULES", "OPTIMIZERS", "format_grid", "write_plan_json"]
 
@@ -37,6 +38,9 @@ class Plan:
     failed: frozenset[Worker]
     workers: Mapping[Worker, tuple[Op, ...]]
     schedule: str = "adaptive"
+    partition: tuple[int, ...] | None = None
+    """The layer boundaries the plan's costs were cut at (DeepSpeed's ``PipelineModule.parts``, ``S + 1`` of
+    them), when the model was re-partitioned (:mod:`ds_recycle.plan.partition`); None: the job's own."""
     _route: dict[tuple[int, MicroBatch], Worker] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +49,8 @@ class Plan:
             raise PlanError(f"optimizer = {self.optimizer!r}: use one of {OPTIMIZERS}")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"schedule = {self.schedule!r}: use one of {SCHEDULES}")
+        if self.partition is not None:
+            object.__setattr__(self, "partition", check_partition(self.partition, None, self.stages, "plan partition"))
         for worker, ops in self.workers.items():
             for op in ops:
                 if op.kind is OpKind.F and op.iteration == 0:
@@ -79,7 +85,7 @@ class Plan:
                    for (p, s), ops in self.workers.items()}
         return Plan(self.stages, self.pipelines, self.microbatches, self.iterations, self.optimizer,
                     self.memory_limit, self.costs, frozenset((perm[p], s) for p, s in self.failed),
-                    dict(sorted(workers.items())), self.schedule)
+                    dict(sorted(workers.items())), self.schedule, self.partition)
 
     def to_json(self) -> dict[str, Any]:
         """The plan-format document."""
@@ -89,12 +95,15 @@ class Plan:
 
     def to_json_header(self) -> dict[str, Any]:
         """The plan-format document without its ``workers``."""
-        return {
+        head = {
             "format": FORMAT, "stages": self.stages, "pipelines": self.pipelines,
             "microbatches": self.microbatches, "iterations": self.iterations, "optimizer": self.optimizer,
             "memory_limit": self.memory_limit, "costs": self.costs.to_json(),
             "failed": [list(w) for w in sorted(self.failed)], "makespan": self.makespan,
         }
+        if self.partition is not None:
+            head["partition"] = list(self.partition)
+        return head
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], schedule: str = "adaptive") -> Plan:
@@ -107,7 +116,7 @@ class Plan:
             return cls(int(obj["stages"]), int(obj["pipelines"]), int(obj["microbatches"]),
                        int(obj["iterations"]), str(obj["optimizer"]), obj["memory_limit"],
                        CostModel.from_json(obj["costs"]), frozenset((int(p), int(s)) for p, s in obj["failed"]),
-                       workers, schedule)
+                       workers, schedule, None if obj.get("partition") is None else tuple(obj["partition"]))
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
                 raise

@@ -2,6 +2,11 @@
 
     validate_plan(plan)          # raises PlanValidationError (its .rule is the rule's number)
     validate_document(json_obj)  # the same, plus rule 7 on the document's own "makespan" field
+    validate_plan(plan, layers)  # plus rule 8: a re-partitioned plan's costs are its layers' sums
+
+Rule 8 (re-partitioned plans): the plan's ``partition`` covers the model's layers (``0`` to the layer count,
+every stage at least one layer) and each stage's F, B, W and O are the sums of the ``LayerCosts`` of the layers
+the partition gives it. A plan without a partition (the job's own) has nothing for rule 8 to check.
 """
 from __future__ import annotations
 
@@ -9,8 +14,9 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from ds_recycle.plan.errors import PlanValidationError
+from ds_recycle.plan.errors import PlanError, PlanValidationError
 from ds_recycle.plan.ops import OpKind, Worker
+from ds_recycle.plan.partition import LayerCosts, check_partition
 from ds_recycle.plan.plan import Plan
 
 __all__ = ["validate_plan", "validate_document", "check_channels"]
@@ -18,8 +24,9 @@ __all__ = ["validate_plan", "validate_document", "check_channels"]
 _F, _B, _W, _O = OpKind.F, OpKind.B, OpKind.W, OpKind.O
 
 
-def validate_plan(plan: Plan) -> None:
-    """Check rules 1 to 6 (7 holds by construction of :attr:`Plan.makespan`)."""
+def validate_plan(plan: Plan, layers: LayerCosts | None = None) -> None:
+    """Check rules 1 to 6 (7 holds by construction of :attr:`Plan.makespan`), and rule 8 when ``layers``
+    (the model's per-layer costs) is given."""
     eps = 1e-9 * max(1.0, plan.makespan)
     _check_workers(plan)
     where = _check_ops_once(plan)
@@ -28,12 +35,14 @@ def validate_plan(plan: Plan) -> None:
     _check_dependencies(plan, where, eps)
     _check_optimizer(plan, eps)
     _check_memory(plan)
+    if layers is not None:
+        _check_partition(plan, layers)
 
 
-def validate_document(obj: Mapping[str, Any]) -> Plan:
+def validate_document(obj: Mapping[str, Any], layers: LayerCosts | None = None) -> Plan:
     """Parse and validate a plan-format document; returns the plan."""
     plan = Plan.from_json(obj)
-    validate_plan(plan)
+    validate_plan(plan, layers)
     if abs(float(obj.get("makespan", -1.0)) - plan.makespan) > 1e-9 * max(1.0, plan.makespan):
         raise PlanValidationError(7, f"makespan {obj.get('makespan')!r} is not the largest end {plan.makespan}")
     return plan
@@ -187,6 +196,23 @@ def _check_memory(plan: Plan) -> None:
                     _fail(plan, 6, f"holds {held} micro-batches, over memory_limit {plan.memory_limit}", w, i)
             elif op.kind is _W:
                 held -= 1
+
+
+def _check_partition(plan: Plan, layers: LayerCosts) -> None:
+    """Rule 8."""
+    if plan.partition is None:
+        return
+    try:
+        parts = check_partition(plan.partition, layers.layers, plan.stages, "plan partition")
+    except PlanError as err:
+        _fail(plan, 8, str(err))
+    want = layers.stage_costs(parts)
+    for kind in ("F", "B", "W", "O"):
+        for s in range(plan.stages):
+            got, sums = plan.costs.of(kind, s), want.of(kind, s)
+            if abs(got - sums) > 1e-9 * max(1.0, abs(sums)):
+                _fail(plan, 8, f"costs.{kind}[{s}] = {got} but layers {parts[s]} to {parts[s + 1] - 1} sum to {sums}: "
+                               f"a re-partitioned plan's stage costs are its layers' sums")
 
 
 def check_channels(plan: Plan) -> None:

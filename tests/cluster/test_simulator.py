@@ -49,8 +49,10 @@ def test_planner_agrees_with_the_hand_formula(tiny_workload: Workload) -> None:
 def test_no_failures_is_the_failure_free_rate(kind: SystemKind, tiny_workload: Workload,
                                               tiny_assumptions: Assumptions) -> None:
     r = _run(kind, tiny_workload, tiny_assumptions)
+    recycle = SAMPLES / make_plan(2, 2, 4, tiny_workload.costs_at(2, 2)).time_per_iteration
     expected = {
-        SystemKind.RECYCLE: SAMPLES / make_plan(2, 2, 4, tiny_workload.costs_at(2, 2)).time_per_iteration,
+        SystemKind.RECYCLE: recycle,
+        SystemKind.RECYCLE_REPARTITION: recycle,
         SystemKind.BAMBOO: SAMPLES / t1f1b(2, 4) * (1 - tiny_assumptions.bamboo_overhead),
     }.get(kind, SAMPLES / t1f1b(2, 4))
     assert r.effective_rate == pytest.approx(expected)
@@ -230,3 +232,29 @@ def test_a_spare_node_replaces_the_failed_one(kind: SystemKind, tiny_workload: W
     assert r.segments[-1].rate == pytest.approx(r.reference_rate * (
         1 - tiny_assumptions.bamboo_overhead if kind is SystemKind.BAMBOO else 1.0))
     assert r.segments[-1].start_s < 1000 + 120
+
+
+def test_recycle_repartition_moves_layers_when_a_failure_lasts_and_back_on_rejoin(
+        tiny_workload: Workload, tiny_assumptions: Assumptions) -> None:
+    """2 x 2: node n1 (worker (0, 0)) fails at 1000 s and comes back at 2000 s. ReCycle + re-partition re-routes
+    at once like ReCycle, moves layers once the failure lasted 3 iterations, and moves them back after the rejoin;
+    its throughput while the failure lasts is the planner's for the moved partition, above ReCycle's."""
+    trace = _trace("1000000,remove,n1", "2000000,add,n5")
+    plain = simulate(trace, tiny_workload, SHAPE, [SystemKind.RECYCLE], hours=1.0,
+                     assumptions=tiny_assumptions).systems[SystemKind.RECYCLE]
+    moved = simulate(trace, tiny_workload, SHAPE, [SystemKind.RECYCLE_REPARTITION], hours=1.0,
+                     assumptions=tiny_assumptions).systems[SystemKind.RECYCLE_REPARTITION]
+    notes = [text for _, text in moved.notes if "re-partition" in text]
+    assert len(notes) == 2, moved.notes  # there and back
+    assert notes[0].startswith("re-partition [0, 16, 32] -> ") and "-> [0, 16, 32] (" in notes[1]
+    timer = PipelineTimer(tiny_workload, SHAPE)
+    layers, base = timer.layers()
+    assert base == (0, 16, 32) and layers.layers == 32
+    during = next(s for s in moved.segments if s.start_s <= 1500 < s.end_s)
+    rerouted = next(s for s in plain.segments if s.start_s <= 1500 < s.end_s)
+    assert during.rate > rerouted.rate
+    choice = timer.repartition_choice(frozenset({(0, 0)}), base, tiny_assumptions.repartition_horizon)
+    assert during.rate == pytest.approx(SAMPLES / choice.moved_iteration_s)
+    assert rerouted.rate == pytest.approx(SAMPLES / choice.current_iteration_s)
+    assert moved.effective_rate > plain.effective_rate
+    assert moved.segments[-1].rate == pytest.approx(plain.segments[-1].rate)  # back on the job's own partition

@@ -6,14 +6,16 @@ from ds_recycle.cluster.systems.base import EventQueue, SimContext, System, Syst
 from ds_recycle.cluster.systems.checkpoint import CheckpointRestart
 from ds_recycle.cluster.systems.oobleck import Oobleck, distribute_batch
 from ds_recycle.cluster.systems.recycle import ReCycle
+from ds_recycle.cluster.systems.recycle_repartition import ReCycleRepartition
 from ds_recycle.cluster.systems.replica_drop import ReplicaDrop, ReplicaRedistribute
 
 __all__ = ["SYSTEMS", "System", "SystemKind", "SimContext", "EventQueue", "parse_systems",
-           "ReCycle", "Oobleck", "Bamboo", "CheckpointRestart", "ReplicaDrop", "ReplicaRedistribute",
+           "ReCycle", "ReCycleRepartition", "Oobleck", "Bamboo", "CheckpointRestart", "ReplicaDrop", "ReplicaRedistribute",
            "distribute_batch"]
 
 SYSTEMS: dict[SystemKind, type[System]] = {
     SystemKind.RECYCLE: ReCycle,
+    SystemKind.RECYCLE_REPARTITION: ReCycleRepartition,
     SystemKind.OOBLECK: Oobleck,
     SystemKind.BAMBOO: Bamboo,
     SystemKind.CHECKPOINT: CheckpointRestart,

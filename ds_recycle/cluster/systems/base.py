@@ -28,6 +28,8 @@ class SystemKind(enum.Enum):
 
     RECYCLE = "recycle"
     """ReCycle: re-route to data-parallel peers, planner-made adapted schedules."""
+    RECYCLE_REPARTITION = "recycle-repartition"
+    """ReCycle, then layers moved between neighbouring stages while a failure lasts (beyond the paper)."""
     OOBLECK = "oobleck"
     """Oobleck: re-instantiate heterogeneous pipelines from templates, redistribute the batch."""
     BAMBOO = "bamboo"
