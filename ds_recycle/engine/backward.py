@@ -117,14 +117,14 @@ class OwnerCapture:
 
     def __init__(self, module: nn.Module) -> None:
         self.owners: list[nn.Module] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         unique: dict[int, nn.Parameter] = {}
         for m in module.modules():
             own = [p for p in m.parameters(recurse=False) if p.requires_grad]
             if not own:
                 continue
             unique.update((id(p), p) for p in own)
-            m.register_forward_pre_hook(self._before)
-            m.register_forward_hook(self._after)
+            self._handles += [m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)]
             self.owners.append(m)
         self.all_params = list(unique.values())
         self.per_owner = True
@@ -132,6 +132,12 @@ class OwnerCapture:
         self.fused = False
         """True once the split met a stage it cannot run (:class:`SplitUnsupported`): B does the whole backward."""
         self._active: Captured | None = None
+
+    def close(self) -> None:
+        """Remove the hooks (the stage's modules changed: a new capture takes over)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def _before(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if self._active is not None:

@@ -49,8 +49,9 @@ from ds_recycle.engine.backward import (
 )
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
+from ds_recycle.engine.layer_move import Transfer, movable_reason, move_layers
 from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs, timed_kind
-from ds_recycle.engine.optimizer import ClipScope, StaggeredOptimizer, StepOutcome
+from ds_recycle.engine.optimizer import ClipScope, NormLayout, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
 from ds_recycle.engine.position import IterationProgress, KeptWork, Position
 from ds_recycle.engine.precision import MasterWeightOptimizer
@@ -107,6 +108,15 @@ def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset
 
 def _detached(payload: Payload) -> Payload:
     return payload.detach() if isinstance(payload, torch.Tensor) else tuple(t.detach() for t in payload)
+
+
+def _trainable_count(spec: Any) -> int:
+    """Trainable parameters of a layer spec, built on the meta device (no memory, the RNG untouched)."""
+    build = getattr(spec, "build", None)
+    if build is None:
+        return sum(1 for p in spec.parameters() if p.requires_grad) if isinstance(spec, torch.nn.Module) else 0
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        return sum(1 for p in build().parameters() if p.requires_grad)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -167,6 +177,11 @@ class RecyclePipelineEngine(PipelineEngine):
         if self.module.activation_checkpoint_interval > 0:  # recomputed segments (ds_recycle.engine.recompute)
             self.capture.per_owner = False
         self.clip_scope = clip_scope
+        self.base_parts: tuple[int, ...] = tuple(self.module.parts)
+        """The layer boundaries the job was built with (DeepSpeed's ``PipelineModule.parts``)."""
+        self.layers_fixed: str | None = movable_reason(self.module, self.bfloat16_enabled())
+        """Why this job's layers cannot move between stages (None: they can; :meth:`repartition`)."""
+        self._norm_layouts: dict[tuple[int, ...], NormLayout | None] = {}
         self.tied = tied_weights(self.module)
         """Parameters this stage shares with other stages (``TiedLayerSpec``; :mod:`ds_recycle.engine.tied`)."""
         self.transport: Transport = DistTransport.of_grid(self.grid, self._tied_groups())
@@ -248,7 +263,20 @@ class RecyclePipelineEngine(PipelineEngine):
             max_norm=self.gradient_clipping(), scope=self.clip_scope, lr_scheduler=self.lr_scheduler, served=served,
             stage_rerouted=stage_rerouted, norm_source=min(self.workers.stage_ranks(0)),
             rerouted_pipelines=rerouted_pipelines(self.plan, self.stage_id), microbatches=self.micro_batches,
-            rank=self.global_rank)
+            rank=self.global_rank, norm_layout=self._norm_layout())
+
+    def _norm_layout(self) -> NormLayout | None:
+        """The first-stage norm's layout while stage 0 does not hold exactly its own layers (else None)."""
+        parts = tuple(self.module.parts)
+        if parts[1] == self.base_parts[1] or self.clip_scope is not ClipScope.FIRST_STAGE:
+            return None
+        if parts not in self._norm_layouts:
+            offsets, size = {}, 0
+            for index in range(self.base_parts[0], self.base_parts[1]):
+                offsets[index] = size
+                size += _trainable_count(self.module._layer_specs[index])
+            self._norm_layouts[parts] = NormLayout(offsets, size)
+        return self._norm_layouts[parts]
 
     # ------------------------------------------------------------------ the hook surface (engine.driver)
     def attach_driver(self, driver: Driver) -> None:
@@ -309,6 +337,30 @@ class RecyclePipelineEngine(PipelineEngine):
         self.stepper = self._make_stepper()
         self.stepper.clipped_steps = old.clipped_steps
         self.stepper.adopt_contributions(old.kept_contributions())
+
+    def repartition(self, plan: PlanLike) -> list[Transfer]:
+        """Move layers to ``plan``'s partition and run ``plan`` from the next iteration on (every live worker calls
+        it at the same iteration boundary; it finishes the last step first; :mod:`ds_recycle.engine.layer_move`).
+        Returns the layer transfers."""
+        parts = getattr(plan, "partition", None)
+        if parts is None:
+            parts = self.base_parts
+        if self.layers_fixed is not None:
+            raise RuntimeError(f"layers cannot move between stages in this job: {self.layers_fixed}")
+        if self.slots or self.row_order.held:
+            raise RuntimeError(f"repartition in the middle of iteration {self.iteration}: call it between iterations")
+        self.finish_step()  # the last step is final before its parameters move
+        if len(parts) != self.num_stages + 1 or parts[-1] != len(self.module._layer_specs):
+            raise ValueError(f"partition {list(parts)}: give {self.num_stages + 1} boundaries from 0 to "
+                             f"{len(self.module._layer_specs)}")
+        moved = move_layers(self.module, self.optimizer, self.stage_id, parts, self.workers, self.global_rank,
+                            self.transport)
+        self.capture.close()
+        per_owner = self.capture.per_owner
+        self.capture = OwnerCapture(self.module)
+        self.capture.per_owner = per_owner
+        self.switch_plan(plan)
+        return moved
 
     def position(self) -> Position:
         """Where this worker stands (reported to the other members after a failure)."""

@@ -56,7 +56,7 @@ from torch import nn
 from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.transport import Transport
 
-__all__ = ["ClipScope", "StepOutcome", "StaggeredOptimizer"]
+__all__ = ["ClipScope", "StepOutcome", "StaggeredOptimizer", "NormLayout"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,45 @@ class _Pending:
     clipped: bool = False
 
 
+@dataclass(frozen=True)
+class NormLayout:
+    """Where each parameter of the first stage's layers (of the job's own partition) sits in the norm vector.
+
+    ``offsets[layer]`` is the first entry of that layer's trainable parameters, in ``parameters()`` order. Each
+    stage's first replica writes the gradient norms of the counted parameters it holds, and a presence flag, into a
+    vector of ``2 * size`` entries that every live worker all-reduces (one writer an entry: exact); the squared norm
+    is then ``stack(norms).pow(2).sum()`` over the present entries in order: the very sum stage 0 computes when it
+    holds all of them (:meth:`StaggeredOptimizer._stage_sq`), whatever the partition.
+    """
+
+    offsets: dict[int, int]
+    size: int
+
+    def contribution(self, module: Any, writes: bool) -> torch.Tensor:
+        """This worker's part of the vector (all zeros unless ``writes``: its stage's first replica)."""
+        out = torch.zeros(2 * self.size)
+        if not writes:
+            return out
+        for local, layer in enumerate(module.forward_funcs):
+            index = module._local_start + local
+            if index not in self.offsets or not isinstance(layer, nn.Module):
+                continue
+            at = self.offsets[index]
+            for k, p in enumerate(q for q in layer.parameters() if q.requires_grad):
+                if p.grad is not None:
+                    out[at + k] = p.grad.data.detach().float().norm(2.0)
+                    out[self.size + at + k] = 1.0
+        return out
+
+    def total(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The squared norm from the all-reduced vector."""
+        norms, present = reduced[:self.size], reduced[self.size:]
+        kept = norms[present > 0]
+        if kept.numel() == 0:
+            return torch.zeros(1)
+        return kept.pow(2.0).sum().float().reshape(1)
+
+
 class StaggeredOptimizer:
     """One stage's gradient reduction and optimizer step (see the module docstring)."""
 
@@ -114,7 +153,7 @@ class StaggeredOptimizer:
                  served: frozenset[int] = frozenset(), stage_rerouted: bool = False,
                  norm_source: int = 0, canonical_order: bool = True,
                  rerouted_pipelines: frozenset[int] = frozenset(), microbatches: int = 1,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, norm_layout: NormLayout | None = None) -> None:
         self.module = module
         self.optimizer = optimizer
         self.stage = stage
@@ -160,6 +199,10 @@ class StaggeredOptimizer:
         is absent): each such micro-batch's weight gradient is a row of its own, wherever it is computed."""
         self.microbatches = microbatches
         self.dp_ranks = sorted(dp_ranks)
+        self.norm_layout = norm_layout if scope is ClipScope.FIRST_STAGE else None
+        """Set while the first stage's layers of the job's own partition are not all on stage 0 (re-partitioned):
+        the first-stage norm is then gathered per parameter from wherever its layers are
+        (:class:`NormLayout`)."""
 
     # Communication, through the transport.
     def _net(self) -> Transport:
@@ -423,6 +466,14 @@ class StaggeredOptimizer:
             self.optimizer.step()
             self._stepped(_Pending(iteration, None, torch.zeros(1)), torch.zeros(1))
             return
+        if self.norm_layout is not None:
+            contribution = self.norm_layout.contribution(self.module, self.representative)
+            work = self._all_reduce_norm(contribution)
+            pending = _Pending(iteration, None, contribution)
+            self._wait(work)
+            pending.norm, pending.clipped = self._clip_and_step(self._coefficient(self.norm_layout.total(contribution)))
+            self._stepped(pending, contribution)
+            return
         local_sq = self._stage_sq() if self.counts else torch.zeros(1)
         if self.scope is ClipScope.FIRST_STAGE:
             contribution = local_sq.clone()
@@ -467,7 +518,7 @@ class StaggeredOptimizer:
             raise RuntimeError(f"no clipping-norm contribution of iteration {iteration} here (held: "
                                f"{sorted(self._contributions)})")
         tensor = kept.clone()
-        if self.scope is ClipScope.FIRST_STAGE:
+        if self.scope is ClipScope.FIRST_STAGE and self.norm_layout is None:
             if self._source_work is not None:
                 self._wait(self._source_work)
                 self._source_work = None

@@ -1,0 +1,198 @@
+"""Moving layers between stages of a running job, at an iteration boundary, from live holders, exactly.
+
+A re-partition (:mod:`ds_recycle.plan.partition`) changes which contiguous layers each stage holds; every pipeline
+takes the same new partition, so each stage's replicas still hold the same layers and the data-parallel reduction
+stays per layer. :func:`move_layers` runs on every live worker at once, between two iterations (no micro-batch in
+flight, gradients reduced and the step finished):
+
+1. **Who sends what.** For each moved layer and each live worker of the stage that receives it, the sender is the
+   worker of the same pipeline at the stage that held it, or, if that one is absent, the first live worker of that
+   stage: every receiver gets the layer from a live holder, never from a checkpoint.
+2. **What moves.** The layer's ``state_dict`` (parameters and buffers) and, for each of its parameters in order,
+   its optimizer state and parameter-group index: the exact bits, serialized with ``torch.save``, through the
+   engine's transport. All sends are posted first, then every receive is taken, in one order known to all, so
+   nothing waits in a cycle.
+3. **The receiver rebuilds the layer from its ``LayerSpec``** (under a forked RNG, so the worker's random stream
+   is untouched), loads the state, and puts it in the module at its index; layers that left are dropped with
+   their optimizer state. The module's children stay in layer order, so ``parameters()`` lists them as a module
+   built on that partition would, and DeepSpeed's checkpoint files stay by layer index.
+
+What cannot be moved is found before training (:func:`movable_reason`): a ``TiedLayerSpec`` (its weight lives on
+several stages), a layer given as a built ``nn.Module`` (a receiver cannot rebuild it), activation checkpointing
+(segments are cut by local position), bf16 master weights (not carried yet).
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+
+from ds_recycle.engine.transport import Transport
+from ds_recycle.plan.partition import Move, layer_moves
+from ds_recycle.runtime.grid import WorkerMap
+
+__all__ = ["movable_reason", "Transfer", "transfers", "move_layers", "held_layers"]
+
+_TAG = 7_000_000
+"""Tags of the layer transfers (two a layer: its size, then its bytes), clear of the engine's own."""
+
+
+def movable_reason(module: Any, bf16: bool = False) -> str | None:
+    """Why ``module``'s layers cannot move between stages (None: they can)."""
+    specs = getattr(module, "_layer_specs", None)
+    if specs is None:
+        return "the model is not a DeepSpeed PipelineModule"
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            return (f"layer {i} is a TiedLayerSpec ({spec.key!r}): its weight is shared by several stages, which "
+                    f"a move does not carry yet")
+        if isinstance(spec, LayerSpec):
+            continue
+        if isinstance(spec, nn.Module):
+            return (f"layer {i} is a built {type(spec).__name__}, not a LayerSpec: a worker that receives it cannot "
+                    f"rebuild it. Fix: give LayerSpec({type(spec).__name__}, ...) in the layer list")
+    if getattr(module, "activation_checkpoint_interval", 0) > 0:
+        return "activation checkpointing cuts segments by local position, which a move changes"
+    if bf16:
+        return "bf16 master weights are not carried by a move yet"
+    return None
+
+
+def held_layers(module: Any) -> range:
+    """The global indices of the layers this stage holds."""
+    return range(module._local_start, module._local_stop)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Layer ``layer`` goes from global rank ``src`` to global rank ``dst``."""
+
+    layer: int
+    src: int
+    dst: int
+
+
+def transfers(moves: Sequence[Move], workers: WorkerMap) -> list[Transfer]:
+    """Every transfer of a re-partition among ``workers`` (see the module docstring), in a fixed order."""
+    out = []
+    for mv in moves:
+        holders = {d: r for (d, s), r in workers.ranks.items() if s == mv.source}
+        if not holders:
+            raise RuntimeError(f"layer {mv.layer} has no live holder: every worker of stage {mv.source} is gone")
+        first = holders[min(holders)]
+        for (d, s), rank in sorted(workers.ranks.items()):
+            if s == mv.target:
+                out.append(Transfer(mv.layer, holders.get(d, first), rank))
+    return out
+
+
+def _payload(layer: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    state = [(group_of.get(id(p), -1), dict(optimizer.state.get(p, {}))) for p in layer.parameters()]
+    buf = io.BytesIO()
+    torch.save({"module": layer.state_dict(), "optimizer": state}, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(data: torch.Tensor) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+
+def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts: Sequence[int], workers: WorkerMap,
+                rank: int, transport: Transport) -> list[Transfer]:
+    """Re-partition this worker's part of the model to ``parts`` (every live worker calls it at once; see the
+    module docstring); returns the transfers, which go through the engine's ``transport`` (bounded waits under
+    ``ds-recycle launch``: a peer lost during a move is a failure like any other)."""
+    old = tuple(module.parts)
+    parts = tuple(int(x) for x in parts)
+    plan = [t for t in transfers(layer_moves(old, parts), workers)
+            if isinstance(module._layer_specs[t.layer], LayerSpec)]  # functions carry no state
+    layers = {i: module.forward_funcs[i - module._local_start] for i in held_layers(module)}
+    sends = []
+    for t in plan:
+        if t.src == rank:
+            data = _payload(layers[t.layer], optimizer)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+            sends.append((transport.isend(size, t.dst, _TAG + 2 * t.layer), size))
+            sends.append((transport.isend(data, t.dst, _TAG + 2 * t.layer + 1), data))
+    received: dict[int, dict[str, Any]] = {}
+    for t in plan:
+        if t.dst == rank:
+            size = torch.zeros(1, dtype=torch.int64)
+            transport.recv([size], t.src, [_TAG + 2 * t.layer])
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            transport.recv([data], t.src, [_TAG + 2 * t.layer + 1])
+            received[t.layer] = _unpack(data)
+    for work, _ in sends:
+        if work is not None:
+            transport.wait(work, f"layer transfer to rank {rank}")
+    start, stop = parts[stage], parts[stage + 1]
+    new: dict[int, Any] = {}
+    for i in range(start, stop):
+        if i in layers:
+            new[i] = layers[i]
+            continue
+        new[i] = _rebuild(module, i, received[i], optimizer)
+    for i, layer in layers.items():
+        if not start <= i < stop and isinstance(layer, nn.Module):
+            _forget(layer, optimizer)
+    _install(module, new, parts, stage)
+    _order_groups(module, optimizer)
+    return plan
+
+
+def _rebuild(module: Any, index: int, payload: dict[str, Any] | None, optimizer: torch.optim.Optimizer) -> Any:
+    spec = module._layer_specs[index]
+    if not isinstance(spec, LayerSpec):  # a function: nothing to carry
+        return spec
+    if payload is None:
+        raise RuntimeError(f"layer {index} was not received")
+    with torch.random.fork_rng(devices=[]):
+        layer = spec.build()
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    layer.to(device)
+    layer.load_state_dict(payload["module"])
+    for p, (group, state) in zip(layer.parameters(), payload["optimizer"]):
+        if group >= 0:
+            optimizer.param_groups[group]["params"].append(p)
+        if state:
+            optimizer.state[p] = {k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                  for k, v in state.items()}
+    return layer
+
+
+def _forget(layer: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    gone = {id(p) for p in layer.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in gone]
+    for p in list(optimizer.state):
+        if id(p) in gone:
+            del optimizer.state[p]
+
+
+def _install(module: Any, layers: dict[int, Any], parts: tuple[int, ...], stage: int) -> None:
+    """The module holds ``layers`` (global index -> layer), children in layer order, bounds at ``parts``."""
+    for name in [n for n in module._modules if n.isdigit()]:
+        del module._modules[name]
+    module.forward_funcs = []
+    module.fwd_map = {}
+    for i in sorted(layers):
+        layer = layers[i]
+        module.forward_funcs.append(layer)
+        if isinstance(layer, nn.Module):
+            module.fwd_map[str(i)] = len(module.forward_funcs) - 1
+            module.add_module(str(i), layer)
+    module.parts = list(parts)
+    module._set_bounds(start=parts[stage], stop=parts[stage + 1])
+
+
+def _order_groups(module: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter group lists its parameters in module order, as an optimizer built on this partition would."""
+    order = {id(p): k for k, p in enumerate(module.parameters())}
+    for group in optimizer.param_groups:
+        group["params"].sort(key=lambda p: order.get(id(p), len(order)))
