@@ -24,7 +24,8 @@ from typing import Any, ClassVar, TypeVar
 
 __all__ = [
     "AgreementEvent", "CheckpointEvent", "Event", "EventError", "FailureEvent", "FallbackEvent", "HostBackEvent", "HostEvent",
-    "HostLostEvent", "HostPartitionedEvent", "PlanSwitchEvent", "RecoveredEvent", "RejoinEvent", "ResumedEvent",
+    "HostLostEvent", "HostPartitionedEvent", "PlanSwitchEvent", "RecoveredEvent", "RejoinEvent", "RepartitionEvent",
+    "ResumedEvent",
     "RollForwardEvent", "SlowWorkerEvent", "StageLostEvent", "event_kinds", "events_markdown", "events_of", "parse_event",
 ]
 
@@ -129,6 +130,27 @@ class PlanSwitchEvent(Event):
         measured = ", measured costs" if self.measured else ""
         return (f"plan switch: absent {_jsonable(self.absent)}{slow}{measured}, {self.rerouted} re-routed micro-batch "
                 "steps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepartitionEvent(Event):
+    """Layers moved between stages at an iteration boundary (a failure that lasts, or back after a rejoin)."""
+
+    KIND: ClassVar[str] = "repartition"
+    iteration: int = _doc("the first iteration run on the new partition")
+    before: tuple[int, ...] = _doc("layer boundaries before (DeepSpeed's `PipelineModule.parts`)")
+    after: tuple[int, ...] = _doc("layer boundaries from this iteration on")
+    absent: tuple[Pair, ...] = _doc("the failure set the partition was chosen for")
+    layers_moved: int = _doc("layers that changed stage")
+    bytes_received: int = _doc("bytes of layer state this worker received")
+    move_s: float = _doc("seconds the move took on this worker (the pause of the iteration boundary)")
+    planned_before: float = _doc("planned time per iteration on the old partition (the plan's units)")
+    planned_after: float = _doc("planned time per iteration on the new partition (the plan's units)")
+
+    def describe(self) -> str:
+        return (f"re-partition at iteration {self.iteration}: {_jsonable(self.before)} -> {_jsonable(self.after)} "
+                f"(absent {_jsonable(self.absent)}), {self.layers_moved} layers moved in {self.move_s:.3f} s, "
+                f"planned {self.planned_before:.4g} -> {self.planned_after:.4g} per iteration")
 
 
 @dataclass(frozen=True, kw_only=True)

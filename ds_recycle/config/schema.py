@@ -148,6 +148,42 @@ class FailSlowConfig:
 
 
 @dataclass(frozen=True)
+class RepartitionConfig:
+    """Lasting failures: move layers between stages so that every live worker's work evens out.
+
+    Once a membership with absent workers (or a re-partitioned one that healed) has lasted ``after_iterations``
+    iterations, the planner compares staying with the best partition of the layers for the live replicas
+    (``ds_recycle.plan.partition``); the job moves the layers, from live holders, at an iteration boundary when the
+    time saved over ``horizon`` iterations exceeds the transfer (its layers' parameters and Adam state at
+    ``bandwidth_gbs``). A worker that rejoins gets the job's own partition back first. See
+    ``ds_recycle.resilience.repartition``.
+    """
+
+    enabled: bool = True
+    """False: failures are only re-routed (layers never move)."""
+    after_iterations: int = 3
+    """Iterations a membership must last before layers move (a failure healed sooner is only re-routed)."""
+    horizon: int = 100
+    """Iterations over which a move must pay for its transfer."""
+    bandwidth_gbs: float = 1.0
+    """Worker-to-worker bandwidth assumed for the move's cost, GB/s."""
+    layer_costs_file: str | None = None
+    """Per-layer F, B, W (and optionally O) in the units of ``costs_file``: one value per entry of the
+    ``PipelineModule``'s layer list. Null: each stage's costs split evenly over its layers that hold parameters."""
+
+    def __post_init__(self) -> None:
+        if self.after_iterations < 1:
+            raise ConfigError("recycle.repartition.after_iterations", f"{self.after_iterations} is below 1",
+                              "give a number of iterations >= 1")
+        if self.horizon < 1:
+            raise ConfigError("recycle.repartition.horizon", f"{self.horizon} is below 1",
+                              "give a number of iterations >= 1")
+        if not self.bandwidth_gbs > 0:
+            raise ConfigError("recycle.repartition.bandwidth_gbs", f"{self.bandwidth_gbs} is not positive",
+                              "give GB/s > 0")
+
+
+@dataclass(frozen=True)
 class RecycleConfig:
     """The ``"recycle"`` section."""
 
@@ -190,6 +226,8 @@ class RecycleConfig:
     seeded by ``(rng_seed, step, pipeline, index, stage)``, so it gets the same masks wherever it runs."""
     fail_slow: FailSlowConfig = field(default_factory=FailSlowConfig)
     """Detection of slow workers and re-planning around them."""
+    repartition: RepartitionConfig = field(default_factory=RepartitionConfig)
+    """Moving layers between stages while a failure lasts."""
     model: GPTConfig = field(default_factory=GPTConfig)
     """The GPT to train."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -177,7 +177,7 @@ class RecyclePipelineEngine(PipelineEngine):
         if self.module.activation_checkpoint_interval > 0:  # recomputed segments (ds_recycle.engine.recompute)
             self.capture.per_owner = False
         self.clip_scope = clip_scope
-        self.base_parts: tuple[int, ...] = tuple(self.module.parts)
+        self.base_parts: tuple[int, ...] = self.partition
         """The layer boundaries the job was built with (DeepSpeed's ``PipelineModule.parts``)."""
         self.layers_fixed: str | None = movable_reason(self.module, self.bfloat16_enabled())
         """Why this job's layers cannot move between stages (None: they can; :meth:`repartition`)."""
@@ -265,9 +265,14 @@ class RecyclePipelineEngine(PipelineEngine):
             rerouted_pipelines=rerouted_pipelines(self.plan, self.stage_id), microbatches=self.micro_batches,
             rank=self.global_rank, norm_layout=self._norm_layout())
 
+    @property
+    def partition(self) -> tuple[int, ...]:
+        """The layer boundaries of every stage now (DeepSpeed's ``PipelineModule.parts``, as ints)."""
+        return tuple(int(x) for x in self.module.parts)
+
     def _norm_layout(self) -> NormLayout | None:
         """The first-stage norm's layout while stage 0 does not hold exactly its own layers (else None)."""
-        parts = tuple(self.module.parts)
+        parts = self.partition
         if parts[1] == self.base_parts[1] or self.clip_scope is not ClipScope.FIRST_STAGE:
             return None
         if parts not in self._norm_layouts:

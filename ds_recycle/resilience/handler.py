@@ -89,6 +89,7 @@ from ds_recycle.resilience.rejoin import (
     wait_for_ticket,
     write_tickets,
 )
+from ds_recycle.resilience.repartition import Repartitioner, layer_costs_of
 from ds_recycle.resilience.replan import Replanner
 from ds_recycle.resilience.salvage import Decision, decide
 from ds_recycle.resilience.speed import SpeedWatch
@@ -174,6 +175,11 @@ class FailureHandler:
                              optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
         self.replanner = Replanner(self.plans, speed, rc.measure_costs and not rc.costs_file, cache)
         """Plan switches from the job's measurements (:mod:`ds_recycle.resilience.replan`)."""
+        self.repartitioner = Repartitioner(
+            rc.repartition, layer_costs_of(engine.module._layer_specs, engine.base_parts, costs, rc.repartition),
+            engine.base_parts, cfg.micro_batches, {"optimizer": rc.optimizer_step, "memory_limit": rc.memory_limit},
+            store, keys.root, self._check_alive)
+        """Layers moved between stages while a failure lasts (:mod:`ds_recycle.resilience.repartition`)."""
         self.round = 0
         """The latest agreement round (membership epoch): one per failure handled."""
         self.members: tuple[int, ...] = tuple(sorted(engine.workers.ranks.values()))
@@ -264,8 +270,14 @@ class FailureHandler:
         self._admit_joiners()
         for event in self.replanner.at_boundary(self.engine):
             self._event(event)
+        for event in self.repartitioner.at_boundary(self.engine, self.round, self.members):
+            self._event(event)
         self.engine.run_iteration()
         self._note_recovered()
+
+    def _check_alive(self) -> None:
+        if self.job.watchdog.failed():
+            raise PeerFailure("a member exited (seen while waiting at an iteration boundary)")
 
     def drain_events(self) -> list[Event]:
         """The events (failure, agreement, plan switch, recovery, rejoin, ...) since the last call."""
@@ -403,6 +415,9 @@ class FailureHandler:
         if job.rank == min(previous):
             write_tickets(job.store, job.keys, upto, after, accepted, self.round, members, boundary, eng.reporter_rank)
         if joining:
+            back = self.repartitioner.restore(eng, self.plans.get(eng.workers.absent()))
+            if back is not None:  # the joiner's module holds the job's own partition
+                self._event(back)
             # Joins do not count as agreement rounds: a failure in the middle of one sends every member to the same
             # next round, whether it had finished the join or not. Their groups carry the join count.
             self.members = members

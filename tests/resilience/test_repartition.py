@@ -16,9 +16,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tests.harness import assert_same_model, run, tiny_config  # noqa: E402
+from ds_recycle.events import Event, RejoinEvent, RepartitionEvent, events_of  # noqa: E402
+from tests.harness import assert_same_model, launch, run, tiny_config  # noqa: E402
 
 STEPS = 7
+REJOIN_STEPS = 100  # the failure-free reference of tests/resilience/test_rejoin.py
+SECOND_STEPS = 30  # that of tests/resilience/test_fail_slow.py
 pytestmark = [pytest.mark.multiprocess]
 
 
@@ -42,3 +45,46 @@ def test_layers_move_there_and_back_same_model(tmp_path: Path, reference: Callab
     clipped = [int(c) for c in re.findall(r"CLIPPED (\d+)", job.output)]
     assert clipped and max(clipped) >= 1, "clipping was not exercised"
     assert_same_model(out, reference(3, 2, STEPS))
+
+
+@pytest.mark.timeout(400)
+def test_a_lasting_failure_moves_layers_and_a_rejoin_moves_them_back(
+        tmp_path: Path, reference: Callable[[int, int, int], Path]) -> None:
+    """2 x 2, worker (1, 0) killed in iteration 2 and started again 3 s later: the members move a block off the
+    stage that lost a replica once the failure has lasted 3 iterations (the default), move it back before the
+    restarted worker joins, and end at the failure-free model, bit for bit."""
+    out, metrics = tmp_path / "final.pt", tmp_path / "metrics.jsonl"
+    job = launch(4, ["--deepspeed_config", str(tiny_config(tmp_path, "k", 2, 2, failure_timeout_s=60.0)),
+                     "--steps", str(REJOIN_STEPS), "--save-final", str(out), "--metrics", str(metrics),
+                     "--kill", "1:0@2:forward"], timeout=300, launcher_args=["--restart_failed_after", "3"])
+    assert job.returncode == 0, job.output[-4000:]
+    events = [e for e in events_of(job.metrics(metrics), Event)
+              if e.kind in ("failure", "repartition", "rejoin")]
+    assert [e.kind for e in events] == ["failure", "repartition", "repartition", "rejoin"], events
+    there, back, rejoin = events[1], events[2], events[3]
+    assert isinstance(there, RepartitionEvent) and isinstance(back, RepartitionEvent)
+    assert (there.before, there.after, there.absent) == ((0, 2, 4), (0, 1, 4), ((1, 0),))
+    assert (back.before, back.after) == ((0, 1, 4), (0, 2, 4))
+    assert there.planned_after < there.planned_before
+    assert isinstance(rejoin, RejoinEvent) and back.iteration == rejoin.iteration
+    assert_same_model(out, reference(2, 2, REJOIN_STEPS))
+
+
+@pytest.mark.timeout(400)
+def test_failures_after_a_move_are_survived_and_decided_again(
+        tmp_path: Path, reference: Callable[[int, int, int], Path]) -> None:
+    """2 x 3: workers (1, 0) and (2, 0) are killed in iteration 2 and the first stage's block moves to the second
+    stage (one live replica against three); then (1, 1) and (2, 1) are killed in iteration 12: the job recovers on
+    the moved partition, decides again for the new failure set (one replica a stage), moves the block back, and ends
+    at the failure-free model."""
+    out, metrics = tmp_path / "final.pt", tmp_path / "metrics.jsonl"
+    kills = ["1:0@2:forward", "2:0@2:forward", "1:1@12:backward-input", "2:1@12:backward-input"]
+    job = launch(6, ["--deepspeed_config", str(tiny_config(tmp_path, "k", 2, 3, failure_timeout_s=60.0)),
+                     "--steps", str(SECOND_STEPS), "--save-final", str(out), "--metrics", str(metrics),
+                     *(a for k in kills for a in ("--kill", k))], timeout=300)
+    assert job.returncode == 0, job.output[-4000:]
+    events = [e for e in events_of(job.metrics(metrics), Event) if e.kind in ("failure", "repartition")]
+    moves = [e for e in events if isinstance(e, RepartitionEvent)]
+    assert [(m.before, m.after) for m in moves] == [((0, 2, 4), (0, 1, 4)), ((0, 1, 4), (0, 2, 4))], events
+    assert events.index(moves[0]) < max(i for i, e in enumerate(events) if e.kind == "failure") < events.index(moves[1])
+    assert_same_model(out, reference(2, 3, SECOND_STEPS))
