@@ -91,6 +91,10 @@ class Case:
     """ds_recycle's detection of slow workers and re-planning around them (``recycle.fail_slow.enabled``)."""
     model_args: tuple[str, ...] = ()
     """The emulated model's arguments to the script (default: ``--costs`` with the run's profile)."""
+    recycle_extra: str = ""
+    """JSON object merged into the config's ``recycle`` section."""
+    launcher_args: tuple[str, ...] = ()
+    """Extra arguments to ``ds-recycle launch``."""
 
     @property
     def failed(self) -> tuple[Worker, ...]:
@@ -250,6 +254,8 @@ def _configs(work: Path, case: Case, stages: int, pipelines: int, m: int, costs_
                            "assume_failed": [list(w) for w in case.absent],
                            "faults": [{"worker": list(w), "iteration": it, "phase": ph} for w, it, ph in case.faults],
                            "fail_slow": {"enabled": case.fail_slow}}
+        if case.recycle_extra:
+            base["recycle"].update(json.loads(case.recycle_extra))
     path = work / "ds.json"
     path.write_text(json.dumps(base, indent=1))
     return path
@@ -261,7 +267,8 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
     config = _configs(work, case, stages, pipelines, m, costs_file)
     nproc = stages * pipelines - len(case.absent)
     args = [str(SCRIPT if case.engine == "vanilla" else work / "train.py"), "--deepspeed_config", str(config),
-            *(case.model_args or ("--costs", str(profile_file))), "--stages", str(stages), "--steps", str(steps), "--warmup", str(warmup),
+            *(case.model_args or ("--costs", str(profile_file))), "--stages", str(stages), "--steps", str(steps),
+            "--warmup", str(warmup),
             *(f"--slow={d}:{s}@{at}*{factor}" for (d, s), at, factor in case.slow),
             *([f"--jitter={case.jitter}"] if case.jitter else [])]
     if case.engine == "vanilla":
@@ -273,7 +280,7 @@ def run_case(case: Case, stages: int, pipelines: int, m: int, steps: int, warmup
     else:
         (work / "train.py").write_text(recycle_variant(SCRIPT.read_text()))
         cmd = [sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", str(nproc), "--master_port", "0",
-               *args]
+               *case.launcher_args, *args]
     res = Result(case, stages, pipelines, m)
     started = time.time()
     job = Job(cmd, work, work / "unused.pt", [REPO])

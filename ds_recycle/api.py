@@ -118,6 +118,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         model._grid = SurvivorGrid(workers, timeout_s=cfg.recycle.failure_timeout_s)
     engine = _build_engine(model, optimizer, model_parameters, lr_scheduler, cfg, job_plan, data)
     engine.job_config, engine.rng_seed = cfg, cfg.recycle.rng_seed
+    if cfg.recycle.repartition.enabled:
+        if engine.layers_fixed is None:
+            engine.seed_per_layer()  # a layer's dropout masks follow it to whichever stage holds it
+        elif engine.global_rank == 0:
+            logger.warning("recycle.repartition: layers will not move between stages in this job (%s); failures "
+                           "are only re-routed", engine.layers_fixed)
     engine.config = user_config  # as DeepSpeed's engine.config: the user's own dict (a script may hand it on)
     _ENGINES.append(engine)
     _close_at_exit(engine)

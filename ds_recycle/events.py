@@ -144,13 +144,15 @@ class RepartitionEvent(Event):
     layers_moved: int = _doc("layers that changed stage")
     bytes_received: int = _doc("bytes of layer state this worker received")
     move_s: float = _doc("seconds the move took on this worker (the pause of the iteration boundary)")
-    planned_before: float = _doc("planned time per iteration on the old partition (the plan's units)")
-    planned_after: float = _doc("planned time per iteration on the new partition (the plan's units)")
+    planned_before: float | None = _doc("planned time per iteration on the old partition (the plan's units; None: "
+                                        "a move back, before a rejoin or a checkpoint)", None)
+    planned_after: float | None = _doc("planned time per iteration on the new partition (the plan's units)", None)
 
     def describe(self) -> str:
+        planned = "" if self.planned_before is None or self.planned_after is None else \
+            f", planned {self.planned_before:.4g} -> {self.planned_after:.4g} per iteration"
         return (f"re-partition at iteration {self.iteration}: {_jsonable(self.before)} -> {_jsonable(self.after)} "
-                f"(absent {_jsonable(self.absent)}), {self.layers_moved} layers moved in {self.move_s:.3f} s, "
-                f"planned {self.planned_before:.4g} -> {self.planned_after:.4g} per iteration")
+                f"(absent {_jsonable(self.absent)}), {self.layers_moved} layers moved in {self.move_s:.3f} s{planned}")
 
 
 @dataclass(frozen=True, kw_only=True)

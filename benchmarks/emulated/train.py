@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
                         help="from step K on, the worker of pipeline P at stage S runs F times slower (repeatable)")
     parser.add_argument("--jitter", type=float, default=0.0,
                         help="each emulated op time is scaled by a factor drawn from [1 - J, 1 + J] (seeded per rank)")
+    parser.add_argument("--print-costs", action="store_true",
+                        help="ds_recycle: print the F, B, W, O the job measured per stage at the end (ms)")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -109,6 +111,11 @@ def main() -> None:
         if reporter():
             print(f"step {step} loss {float(loss):.6f} t {stamp:.6f}", flush=True)
     cpu = time.process_time() - cpu0
+    if args.print_costs and hasattr(engine, "measured_costs"):
+        measured = engine.measured_costs()  # a collective: every rank
+        if measured is not None and reporter():
+            print("measured costs (ms) " + json.dumps({k: [round(v * 1e3, 2) for v in getattr(measured, k)]
+                                                       for k in ("F", "B", "W", "O")}), flush=True)
     if profiler is not None:
         profiler.disable()
         os.makedirs(args.cprofile, exist_ok=True)

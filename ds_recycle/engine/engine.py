@@ -56,7 +56,7 @@ from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
 from ds_recycle.engine.position import IterationProgress, KeptWork, Position
 from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.recompute import use_recompute
-from ds_recycle.engine.rng import micro_batch_rng
+from ds_recycle.engine.rng import LayerSeeds, micro_batch_rng
 from ds_recycle.engine.row_order import RowOrder
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.stage_state import StageState
@@ -182,6 +182,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self.layers_fixed: str | None = movable_reason(self.module, self.bfloat16_enabled())
         """Why this job's layers cannot move between stages (None: they can; :meth:`repartition`)."""
         self._norm_layouts: dict[tuple[int, ...], NormLayout | None] = {}
+        self.layer_seeds: LayerSeeds | None = None
+        """Per-layer random streams (:meth:`seed_per_layer`), or None: one stream per stage."""
         self.tied = tied_weights(self.module)
         """Parameters this stage shares with other stages (``TiedLayerSpec``; :mod:`ds_recycle.engine.tied`)."""
         self.transport: Transport = DistTransport.of_grid(self.grid, self._tied_groups())
@@ -343,6 +345,15 @@ class RecyclePipelineEngine(PipelineEngine):
         self.stepper.clipped_steps = old.clipped_steps
         self.stepper.adopt_contributions(old.kept_contributions())
 
+    def seed_per_layer(self) -> None:
+        """Draw each layer's randomness from its own per-micro-batch stream (:class:`LayerSeeds`), so that moving
+        it to another stage does not change its dropout masks. Set before training when layers may move."""
+        self.layer_seeds = LayerSeeds(self.rng_seed)
+        self.layer_seeds.attach(self._held_layers())
+
+    def _held_layers(self) -> dict[int, Any]:
+        return {int(self.module._local_start) + k: f for k, f in enumerate(self.module.forward_funcs)}
+
     def repartition(self, plan: PlanLike) -> list[Transfer]:
         """Move layers to ``plan``'s partition and run ``plan`` from the next iteration on (every live worker calls
         it at the same iteration boundary; it finishes the last step first; :mod:`ds_recycle.engine.layer_move`).
@@ -364,6 +375,8 @@ class RecyclePipelineEngine(PipelineEngine):
         per_owner = self.capture.per_owner
         self.capture = OwnerCapture(self.module)
         self.capture.per_owner = per_owner
+        if self.layer_seeds is not None:
+            self.layer_seeds.attach(self._held_layers())
         self.switch_plan(plan)
         return moved
 
@@ -763,8 +776,10 @@ class RecyclePipelineEngine(PipelineEngine):
     def _exec_forward_micro_batch(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
         slot = self.slots[buffer_id]
         mb = slot.mb
+        seeds = self.layer_seeds.micro_batch(self.iteration, mb[0], mb[1]) if self.layer_seeds is not None \
+            else contextlib.nullcontext()
         with self.capture.capture() as captured, micro_batch_rng(self.rng_seed, self.iteration, mb[0], mb[1],
-                                                                 self.stage_id):
+                                                                 self.stage_id), seeds:
             out = self.module(slot.inputs)
             if not self.is_last_stage():
                 check_payload(out, f"the output of stage {self.stage_id} (layers {self.module._local_start}-"

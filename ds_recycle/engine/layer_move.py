@@ -131,6 +131,7 @@ def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts
     for work, _ in sends:
         if work is not None:
             transport.wait(work, f"layer transfer to rank {rank}")
+    transport.barrier("layer move")  # every transfer done everywhere: all members change together, or none
     start, stop = parts[stage], parts[stage + 1]
     new: dict[int, Any] = {}
     for i in range(start, stop):

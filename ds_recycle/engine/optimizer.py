@@ -125,7 +125,7 @@ class NormLayout:
         if not writes:
             return out
         for local, layer in enumerate(module.forward_funcs):
-            index = module._local_start + local
+            index = int(module._local_start) + local
             if index not in self.offsets or not isinstance(layer, nn.Module):
                 continue
             at = self.offsets[index]

@@ -27,12 +27,18 @@ share masks with probability 2**-32 per pair (the CUDA Philox generator uses all
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["micro_batch_rng", "micro_batch_seed"]
+__all__ = ["LAYER_STREAMS", "LayerSeeds", "micro_batch_rng", "micro_batch_seed"]
+
+LAYER_STREAMS = 1 << 20
+"""``stage`` coordinate of layer ``i``'s stream is ``LAYER_STREAMS + i`` (clear of every stage's)."""
 
 _MASK64 = (1 << 64) - 1
 
@@ -98,3 +104,35 @@ def micro_batch_rng(seed: int, step: int, pipeline: int, index: int, stage: int,
         cpu.set_state(cpu_state)
         if cuda is not None and cuda_state is not None:
             cuda.set_state(cuda_state)
+
+
+class LayerSeeds:
+    """Per-layer streams: before each layer's forward, torch's RNG is seeded by ``(seed, step, pipeline, index,
+    LAYER_STREAMS + layer)``, so a layer draws the same dropout masks on whichever stage holds it (a job whose layers
+    move between stages, :mod:`ds_recycle.engine.layer_move`). Only inside :meth:`micro_batch`; the enclosing
+    :func:`micro_batch_rng` restores the outer state after the stage's forward."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._current: tuple[int, int, int] | None = None
+        self._handles: list[Any] = []
+
+    def attach(self, layers: Mapping[int, Any]) -> None:
+        """Hook ``layers`` (global index -> layer; modules only), replacing the hooks of an earlier call."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = [layer.register_forward_pre_hook(partial(self._before, int(index)))
+                         for index, layer in layers.items() if isinstance(layer, nn.Module)]
+
+    @contextmanager
+    def micro_batch(self, step: int, pipeline: int, index: int) -> Iterator[None]:
+        self._current = (step, pipeline, index)
+        try:
+            yield
+        finally:
+            self._current = None
+
+    def _before(self, layer: int, module: nn.Module, args: object) -> None:
+        if self._current is not None:
+            step, pipeline, index = self._current
+            torch.manual_seed(micro_batch_seed(self.seed, step, pipeline, index, LAYER_STREAMS + layer) & ((1 << 63) - 1))

@@ -31,38 +31,15 @@ from ds_recycle.plan.bounds import failures_per_stage
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError
 from ds_recycle.plan.ops import Worker
+from ds_recycle.plan.parts import Partition, check_partition
 
 if TYPE_CHECKING:
     from ds_recycle.plan.plan import Plan
 
-__all__ = ["Partition", "LayerCosts", "Move", "RepartitionChoice", "check_partition", "even_partition",
-           "balanced_partition", "granularity_bound", "layer_moves", "move_seconds", "choose_partition", "partitioned_plan"]
-
-Partition = tuple[int, ...]
-"""``S + 1`` layer boundaries (DeepSpeed's ``PipelineModule.parts``): stage ``s`` holds ``parts[s]:parts[s+1]``."""
-
 _KINDS = ("F", "B", "W", "O")
 
-
-def check_partition(parts: Sequence[int], layers: int | None, stages: int, what: str = "partition") -> Partition:
-    """``parts`` as a :data:`Partition`, or :class:`PlanError` naming what is wrong and the fix."""
-    try:
-        out = tuple(int(x) for x in parts)
-    except (TypeError, ValueError):
-        raise PlanError(f"{what} = {parts!r}: give {stages + 1} integer layer boundaries") from None
-    if len(out) != stages + 1:
-        raise PlanError(f"{what} has {len(out)} boundaries for {stages} stages: give S + 1 = {stages + 1}, "
-                        f"from 0 to the layer count (DeepSpeed's PipelineModule.parts)")
-    if out[0] != 0:
-        raise PlanError(f"{what} starts at {out[0]}: the first boundary is 0")
-    if layers is not None and out[-1] != layers:
-        raise PlanError(f"{what} ends at {out[-1]} but the model has {layers} layers: the last boundary is {layers}")
-    for s in range(stages):
-        if out[s + 1] <= out[s]:
-            raise PlanError(f"{what}: stage {s} holds no layer ({out[s]} to {out[s + 1]}): every stage keeps "
-                            f"at least one layer; boundaries must increase")
-    return out
-
+__all__ = ["Partition", "LayerCosts", "Move", "RepartitionChoice", "check_partition", "even_partition",
+           "balanced_partition", "granularity_bound", "layer_moves", "move_seconds", "choose_partition", "partitioned_plan"]
 
 def even_partition(layers: int, stages: int) -> Partition:
     """Layers split as evenly as possible, the earlier stages taking the remainder."""

@@ -10,7 +10,7 @@ from typing import Any
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError
 from ds_recycle.plan.ops import MicroBatch, Op, OpKind, Worker
-from ds_recycle.plan.partition import check_partition
+from ds_recycle.plan.parts import check_partition
 
 __all__ = ["Plan", "FORMAT", "SCHEDULES", "OPTIMIZERS", "format_grid", "write_plan_json"]
 

@@ -510,6 +510,9 @@ class FailureHandler:
 
         def save() -> None:
             eng.finish_step()  # the saved step must be final (post-validation)
+            back = self.repartitioner.restore(eng, self.plans.get(eng.workers.absent()), again=True)
+            if back is not None:  # the files are the job's own partition's, as DeepSpeed's loader needs
+                self._event(back)
             if rank == self.epoch.workers.stage_ranks(eng.stage_id)[0]:
                 write() if write is not None else ckpt.save_stage(eng, directory, next_iteration)
             self.epoch.transport.barrier("checkpoint barrier")

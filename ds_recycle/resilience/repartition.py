@@ -16,7 +16,9 @@ Re-routing covers a failure at once; when it lasts, every live worker's work can
    runs from that iteration on (:mod:`ds_recycle.engine.layer_move`).
 
 Before a restarted worker is admitted the members move back to the job's own partition (:meth:`restore`), which
-the joiner's module was built with; the joiner then takes its stage's state as usual. A failure after a move is
+the joiner's module was built with; the joiner then takes its stage's state as usual. Before a checkpoint they
+move back too, so that its files are the job's own partition's (DeepSpeed's loader and any membership read them),
+and decide again ``after_iterations`` later. A failure after a move is
 recovered like any other: the new membership keeps the moved layers (its plan is the cached one for the failure
 set, which runs on any partition), and lasts long enough to be decided again from there.
 """
@@ -84,6 +86,10 @@ def layer_costs_of(specs: Sequence[Any], parts: Sequence[int], costs: CostModel,
             for i in holding:
                 out[kind][i] = costs.of(kind, s) / len(holding)
     return LayerCosts(tuple(out["F"]), tuple(out["B"]), tuple(out["W"]), tuple(out["O"]), state, comm=costs.comm)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 @dataclass(frozen=True)
@@ -158,13 +164,17 @@ class Repartitioner:
                               else "adaptive")
         return [self._move(engine, plan, parts, absent, decision)]
 
-    def restore(self, engine: Any, plan: Any) -> Event | None:
-        """Move back to the job's own partition (every member at the same boundary; before a rejoin)."""
+    def restore(self, engine: Any, plan: Any, again: bool = False) -> Event | None:
+        """Move back to the job's own partition (every member at the same boundary: before a rejoin, before a
+        checkpoint). ``again``: the membership is decided again ``after_iterations`` later (the failure lasts)."""
         parts = engine.partition
         if parts == self.base or engine.layers_fixed is not None:
             return None
-        decision = Decision(self.base, None, float("nan"), float("nan"), "a worker rejoins")
-        return self._move(engine, plan, parts, frozenset(engine.workers.absent()), decision)
+        decision = Decision(self.base, None, float("nan"), float("nan"), "back to the job's own partition")
+        event = self._move(engine, plan, parts, frozenset(engine.workers.absent()), decision)
+        if again:
+            self._key = None
+        return event
 
     def _move(self, engine: Any, plan: Any, parts: Partition, absent: frozenset[tuple[int, int]],
               decision: Decision) -> RepartitionEvent:
@@ -175,7 +185,8 @@ class Repartitioner:
         event = RepartitionEvent(iteration=engine.iteration, before=parts, after=engine.partition,
                                  absent=tuple(sorted(absent)), layers_moved=len(layer_moves(parts, engine.partition)),
                                  bytes_received=received, move_s=time.monotonic() - started,
-                                 planned_before=decision.planned_before, planned_after=decision.planned_after)
+                                 planned_before=_finite(decision.planned_before),
+                                 planned_after=_finite(decision.planned_after))
         self._key = self._membership(engine, self._key[0] if self._key else 0)
         self._decide_at = None  # decided: the next membership change decides again
         return event
@@ -203,7 +214,7 @@ class Repartitioner:
         moved = math.fsum(self.layers.state_bytes[m.layer] for m in layer_moves(parts, decision.partition))
         cost = moved / (self.cfg.bandwidth_gbs * 1e9)
         why = (f"{decision.why}; measured {iteration_s:.3f} s/iteration: saves {saved:.2f} s over {self.cfg.horizon} "
-               f"iterations, moving {moved / 1e6:.1f} MB takes {cost:.2f} s")
+               f"iterations, moving {moved / 1e6:.3g} MB takes {cost:.2f} s")
         return saved > cost, why
 
     def _decide(self, engine: Any, round_: int, members: Sequence[int]) -> Decision:

@@ -158,3 +158,29 @@ def test_cuda_generator_is_reseeded_and_restored() -> None:
     with micro_batch_rng(SEED, 1, 2, 3, 0):
         drawn = torch.rand(8, device="cuda")
     assert torch.equal(drawn, torch.rand(8, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+
+
+def test_layer_streams_follow_the_layer_to_any_stage() -> None:
+    """Four dropout layers run as one stage [0, 4) or as two stages [0, 1) + [1, 4): with per-layer streams each
+    layer draws the same mask either way; with the stage's one stream the masks of layers 1-3 change."""
+    from torch import nn
+
+    from ds_recycle.engine.rng import LayerSeeds, micro_batch_rng
+
+    torch.manual_seed(0)
+    layers = {i: nn.Dropout(0.5) for i in range(4)}
+    x = torch.ones(64)
+
+    def run(stages: list[list[int]], per_layer: bool) -> torch.Tensor:
+        out = x
+        for s, held in enumerate(stages):
+            seeds = LayerSeeds(7)
+            seeds.attach({i: layers[i] for i in held} if per_layer else {})
+            with micro_batch_rng(7, step=3, pipeline=1, index=2, stage=s), seeds.micro_batch(3, 1, 2):
+                for i in held:
+                    out = layers[i](out)
+            seeds.attach({})
+        return out
+
+    assert torch.equal(run([[0, 1, 2, 3]], True), run([[0], [1, 2, 3]], True))
+    assert not torch.equal(run([[0, 1, 2, 3]], False), run([[0], [1, 2, 3]], False))

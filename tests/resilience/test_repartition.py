@@ -65,7 +65,8 @@ def test_a_lasting_failure_moves_layers_and_a_rejoin_moves_them_back(
     assert isinstance(there, RepartitionEvent) and isinstance(back, RepartitionEvent)
     assert (there.before, there.after, there.absent) == ((0, 2, 4), (0, 1, 4), ((1, 0),))
     assert (back.before, back.after) == ((0, 1, 4), (0, 2, 4))
-    assert there.planned_after < there.planned_before
+    assert there.planned_after is not None and there.planned_before is not None
+    assert there.planned_after < there.planned_before and back.planned_before is None
     assert isinstance(rejoin, RejoinEvent) and back.iteration == rejoin.iteration
     assert_same_model(out, reference(2, 2, REJOIN_STEPS))
 
@@ -88,3 +89,26 @@ def test_failures_after_a_move_are_survived_and_decided_again(
     assert [(m.before, m.after) for m in moves] == [((0, 2, 4), (0, 1, 4)), ((0, 1, 4), (0, 2, 4))], events
     assert events.index(moves[0]) < max(i for i, e in enumerate(events) if e.kind == "failure") < events.index(moves[1])
     assert_same_model(out, reference(2, 3, SECOND_STEPS))
+
+
+@pytest.mark.timeout(400)
+def test_a_checkpoint_written_while_moved_is_the_jobs_own_partition(
+        tmp_path: Path, reference: Callable[[int, int, int], Path]) -> None:
+    """2 x 2, worker (1, 0) killed in iteration 1 and never restarted: the layers move before iteration 5, and the
+    checkpoint after it is written once they moved back (its files are the job's own partition's); a job of all
+    four workers resumes from it and ends at the failure-free model."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    config = tiny_config(tmp_path, "k", 2, 2, failure_timeout_s=60.0)
+    job = launch(4, ["--deepspeed_config", str(config), "--steps", str(STEPS), "--metrics", str(metrics),
+                     "--checkpoint-dir", str(ckpt), "--checkpoint-interval", "6", "--kill", "1:0@1:forward"],
+                 timeout=300)
+    assert job.returncode == 0, job.output[-4000:]
+    events = [e for e in events_of(job.metrics(metrics), Event) if e.kind in ("repartition", "checkpoint")]
+    assert [e.kind for e in events] == ["repartition", "repartition", "checkpoint"], events
+    assert isinstance(events[1], RepartitionEvent) and events[1].after == (0, 2, 4)
+    out = tmp_path / "resumed.pt"
+    again = launch(4, ["--deepspeed_config", str(config), "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
+                       "--resume", "--save-final", str(out)], timeout=300)
+    assert again.returncode == 0, again.output[-4000:]
+    assert "resum" in again.output.lower()
+    assert_same_model(out, reference(2, 2, STEPS))
