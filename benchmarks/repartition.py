@@ -90,8 +90,8 @@ def cases(stages: int, pipelines: int, microbatches: int, layers: LayerCosts, ba
         tag = "-".join(map(str, parts))
         spec = _write(work / f"layers-{stages}x{pipelines}-{tag}.json", {**layers.to_json(), "parts": list(parts)})
         costs = _write(work / f"costs-{stages}x{pipelines}-{tag}.json", layers.stage_costs(parts).to_json())
-        out.append((Case(name, "recycle", model_args=("--layer-costs", str(spec)), **how), costs, ends or parts,
-                    failed))
+        out.append((Case(name, "recycle", model_args=("--layer-costs", str(spec), "--print-costs"), **how), costs,
+                    ends or parts, failed))
 
     case("failure-free", base, ())
     for name, failed in sets:
