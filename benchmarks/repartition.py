@@ -15,8 +15,8 @@ Cases, per shape and M, alternated round after round:
 - ``failure-free``: every worker, the job's own partition;
 - ``1 lost, re-routed`` / ``re-partitioned``: worker ``(0, 1)`` absent from the start (``recycle.assume_failed``),
   on the job's own partition (re-routing alone) or on the one the planner chooses for that failure
-  (:func:`ds_recycle.plan.partition.choose_partition`): the two steady states; the same for two workers lost in one
-  stage;
+  (:func:`ds_recycle.plan.partition.choose_partition`): the two steady states (``recycle.repartition.enabled``
+  false in both, so nothing moves); the same for two workers lost in one stage;
 - ``1 killed, re-routing only``: worker ``(0, 1)`` SIGKILLed from outside once step ``--kill-after`` is printed,
   never restarted, ``recycle.repartition.enabled`` false;
 - ``1 killed, layers move``: the same kill with re-partitioning on (the default; ``layer_costs_file`` the emulated
@@ -52,6 +52,9 @@ from ds_recycle.plan import make_plan  # noqa: E402
 from ds_recycle.plan.partition import LayerCosts, Partition, balanced_partition, choose_partition, granularity_bound  # noqa: E402
 
 Worker = tuple[int, int]
+
+BLOCK_STATE_GB = 16 * 12 * get_model("gpt3-2.7b").hidden ** 2 / 1e9
+"""Mixed-precision Adam state of one GPT-3 2.7B layer (ZeRO, arXiv 1910.02054, section 3.1)."""
 
 
 def emulated_layers(stages: int, blocks: int, f_ms: float, width_bytes: float) -> LayerCosts:
@@ -93,15 +96,15 @@ def cases(stages: int, pipelines: int, microbatches: int, layers: LayerCosts, ba
         out.append((Case(name, "recycle", model_args=("--layer-costs", str(spec), "--print-costs"), **how), costs,
                     ends or parts, failed))
 
-    case("failure-free", base, ())
+    steady = json.dumps({"repartition": {"enabled": False}})
+    case("failure-free", base, (), recycle_extra=steady)
     for name, failed in sets:
         choice = choose_partition(layers, stages, pipelines, microbatches, failed, base)
-        case(f"{name}, re-routed", base, failed, absent=failed)
-        case(f"{name}, re-partitioned", choice.partition, failed, absent=failed)
+        case(f"{name}, re-routed", base, failed, absent=failed, recycle_extra=steady)
+        case(f"{name}, re-partitioned", choice.partition, failed, absent=failed, recycle_extra=steady)
     choice = choose_partition(layers, stages, pipelines, microbatches, (lost,), base)
     kill = ((lost, kill_after),)
-    case("1 killed, re-routing only", base, (lost,), sigkill=kill,
-         recycle_extra=json.dumps({"repartition": {"enabled": False}}))
+    case("1 killed, re-routing only", base, (lost,), sigkill=kill, recycle_extra=steady)
     case("1 killed, layers move", base, (lost,), ends=choice.partition, sigkill=kill, recycle_extra=moving)
     case("1 killed, back at rejoin", base, (), sigkill=kill, recycle_extra=moving,
          launcher_args=("--restart_failed_after", str(restart_s)))
@@ -198,7 +201,7 @@ def _window(res: Result) -> tuple[list[float], float, float]:
 
 def report(runs: list, results: dict[tuple[int, int, int, str], list[Result]]) -> list[str]:
     lines = ["", "case                          ends on                 s/iter   plan  kept planned  bound layers "
-                 "pause s move s RSS GB"]
+                 "pause s move s RSS GB state GB"]
     ff: dict[tuple[int, int, int], tuple[float, float]] = {}
     for s, d, m, case, _costs, parts, failed, layers in runs:
         rs = [x for x in results.get((s, d, m, case.name), []) if x.ok]
@@ -216,14 +219,18 @@ def report(runs: list, results: dict[tuple[int, int, int, str], list[Result]]) -
         bound = (s * d - len(failed)) / (s * d)
         whole = granularity_bound(layers, s, d, failed) if failed else 1.0
         rss = statistics.median(x.peak_rss_gb for x in rs) if rs else float("nan")
+        heaviest = max(parts[k + 1] - parts[k] for k in range(s)) * BLOCK_STATE_GB
         lines.append(f"  {case.name:<28}{str(list(parts)):<22}{measured:7.3f}{planned:7.3f}{f_meas / measured:6.3f}"
-                     f"{f_plan / planned:8.3f}{bound:7.3f}{whole:7.3f}{pause:8.2f}{move:7.3f}{rss:7.2f}")
+                     f"{f_plan / planned:8.3f}{bound:7.3f}{whole:7.3f}{pause:8.2f}{move:7.3f}{rss:7.2f}"
+                     f"{heaviest:9.1f}")
     lines += ["columns: s/iter measured (median over the timed steps of every round: for a kill, the steps after the "
               "last move or rejoin); plan = the planner's time for that plan; kept = failure-free s/iter / this "
               "(measured); planned = the same from the plans; bound = (S D - lost) / (S D); layers = whole-layer "
               "balance bound against the job's own partition (bubbles not counted; above 'bound' when the job's own "
               "cut is itself uneven); pause s = the moving step's time over the median after it; move s = the "
-              "longest layer transfer on any worker; RSS GB = sum over the job's processes"]
+              "longest layer transfer on any worker; RSS GB = sum over the job's processes (emulated layers hold a few "
+              "floats); state GB = the model state of the stage holding the most layers if each were a GPT-3 2.7B "
+              "layer (12 h^2 parameters, 16 B each: computed, not measured)"]
     return lines
 
 

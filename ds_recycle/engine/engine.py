@@ -49,7 +49,7 @@ from ds_recycle.engine.backward import (
 )
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
-from ds_recycle.engine.layer_move import Transfer, movable_reason, move_layers
+from ds_recycle.engine.layer_move import Transfer, movable_reason, move_layers, spec_parameters
 from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs, timed_kind
 from ds_recycle.engine.optimizer import ClipScope, NormLayout, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
@@ -108,15 +108,6 @@ def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset
 
 def _detached(payload: Payload) -> Payload:
     return payload.detach() if isinstance(payload, torch.Tensor) else tuple(t.detach() for t in payload)
-
-
-def _trainable_count(spec: Any) -> int:
-    """Trainable parameters of a layer spec, built on the meta device (no memory, the RNG untouched)."""
-    build = getattr(spec, "build", None)
-    if build is None:
-        return sum(1 for p in spec.parameters() if p.requires_grad) if isinstance(spec, torch.nn.Module) else 0
-    with torch.device("meta"), torch.random.fork_rng(devices=[]):
-        return sum(1 for p in build().parameters() if p.requires_grad)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -281,7 +272,7 @@ class RecyclePipelineEngine(PipelineEngine):
             offsets, size = {}, 0
             for index in range(self.base_parts[0], self.base_parts[1]):
                 offsets[index] = size
-                size += _trainable_count(self.module._layer_specs[index])
+                size += len(spec_parameters(self.module._layer_specs[index]))
             self._norm_layouts[parts] = NormLayout(offsets, size)
         return self._norm_layouts[parts]
 

@@ -36,7 +36,7 @@ from ds_recycle.engine.transport import Transport
 from ds_recycle.plan.partition import Move, layer_moves
 from ds_recycle.runtime.grid import WorkerMap
 
-__all__ = ["movable_reason", "Transfer", "transfers", "move_layers", "held_layers"]
+__all__ = ["movable_reason", "Transfer", "transfers", "move_layers", "held_layers", "spec_parameters"]
 
 _TAG = 7_000_000
 """Tags of the layer transfers (two a layer: its size, then its bytes), clear of the engine's own."""
@@ -61,6 +61,18 @@ def movable_reason(module: Any, bf16: bool = False) -> str | None:
     if bf16:
         return "bf16 master weights are not carried by a move yet"
     return None
+
+
+def spec_parameters(spec: Any) -> list[int]:
+    """The sizes of a layer's trainable parameters in ``parameters()`` order, without building it for real: a
+    ``LayerSpec`` is built on the meta device (no memory, the RNG untouched); a function has none."""
+    if isinstance(spec, nn.Module):
+        return [p.numel() for p in spec.parameters() if p.requires_grad]
+    build = getattr(spec, "build", None)
+    if build is None:
+        return []
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        return [p.numel() for p in build().parameters() if p.requires_grad]
 
 
 def held_layers(module: Any) -> range:
@@ -118,8 +130,8 @@ def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts
         if t.src == rank:
             data = _payload(layers[t.layer], optimizer)
             size = torch.tensor([data.numel()], dtype=torch.int64)
-            sends.append((transport.isend(size, t.dst, _TAG + 2 * t.layer), size))
-            sends.append((transport.isend(data, t.dst, _TAG + 2 * t.layer + 1), data))
+            sends.append((transport.isend(size, t.dst, _TAG + 2 * t.layer), size, t.dst))
+            sends.append((transport.isend(data, t.dst, _TAG + 2 * t.layer + 1), data, t.dst))
     received: dict[int, dict[str, Any]] = {}
     for t in plan:
         if t.dst == rank:
@@ -128,9 +140,9 @@ def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts
             data = torch.empty(int(size.item()), dtype=torch.uint8)
             transport.recv([data], t.src, [_TAG + 2 * t.layer + 1])
             received[t.layer] = _unpack(data)
-    for work, _ in sends:
+    for work, _, dst in sends:
         if work is not None:
-            transport.wait(work, f"layer transfer to rank {rank}")
+            transport.wait(work, f"layer transfer to rank {dst}")
     transport.barrier("layer move")  # every transfer done everywhere: all members change together, or none
     start, stop = parts[stage], parts[stage + 1]
     new: dict[int, Any] = {}

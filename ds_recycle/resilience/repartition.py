@@ -35,9 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ds_recycle.config.schema import RepartitionConfig
+from ds_recycle.engine.layer_move import spec_parameters
 from ds_recycle.events import Event, RepartitionEvent
 from ds_recycle.plan import CostModel, Plan
 from ds_recycle.plan.errors import PlanError
@@ -52,18 +51,10 @@ _BYTES_PER_PARAM = 16
 ZeRO, arXiv 1910.02054, section 3.1); fp32 Adam carries 12."""
 
 
-def _trainable_numel(spec: Any) -> int:
-    build = getattr(spec, "build", None)
-    if build is None:
-        return 0
-    with torch.device("meta"), torch.random.fork_rng(devices=[]):
-        return sum(p.numel() for p in build().parameters() if p.requires_grad)
-
-
 def layer_costs_of(specs: Sequence[Any], parts: Sequence[int], costs: CostModel, cfg: RepartitionConfig) -> LayerCosts:
     """Per-layer costs of the job's model: ``cfg.layer_costs_file``, or each stage's costs split evenly over its
     layers that hold parameters (counted on the meta device); the moved bytes from each layer's parameter count."""
-    numel = [_trainable_numel(spec) for spec in specs]
+    numel = [sum(spec_parameters(spec)) for spec in specs]
     state = tuple(float(_BYTES_PER_PARAM * n) for n in numel)
     if cfg.layer_costs_file is not None:
         path = Path(cfg.layer_costs_file)
