@@ -256,7 +256,14 @@ class RecyclePipelineEngine(PipelineEngine):
             max_norm=self.gradient_clipping(), scope=self.clip_scope, lr_scheduler=self.lr_scheduler, served=served,
             stage_rerouted=stage_rerouted, norm_source=min(self.workers.stage_ranks(0)),
             rerouted_pipelines=rerouted_pipelines(self.plan, self.stage_id), microbatches=self.micro_batches,
-            rank=self.global_rank, norm_layout=self._norm_layout())
+            rank=self.global_rank, norm_layout=self._norm_layout(), norm_params=self._first_stage_params())
+
+    def _first_stage_params(self) -> list[Any] | None:
+        """On stage 0 holding more than its own layers: the parameters of its own (the first-stage norm's)."""
+        if self.stage_id != 0 or self.partition[1] <= self.base_parts[1]:
+            return None
+        own = [f for i, f in self._held_layers().items() if i < self.base_parts[1]]
+        return [p for f in own if isinstance(f, torch.nn.Module) for p in f.parameters()]
 
     @property
     def partition(self) -> tuple[int, ...]:
@@ -264,9 +271,10 @@ class RecyclePipelineEngine(PipelineEngine):
         return tuple(int(x) for x in self.module.parts)
 
     def _norm_layout(self) -> NormLayout | None:
-        """The first-stage norm's layout while stage 0 does not hold exactly its own layers (else None)."""
+        """The first-stage norm's layout while some of stage 0's own layers are on other stages (else None: stage 0
+        holds them all and computes the norm alone, :meth:`_first_stage_params`)."""
         parts = self.partition
-        if parts[1] == self.base_parts[1] or self.clip_scope is not ClipScope.FIRST_STAGE:
+        if parts[1] >= self.base_parts[1] or self.clip_scope is not ClipScope.FIRST_STAGE:
             return None
         if parts not in self._norm_layouts:
             offsets, size = {}, 0

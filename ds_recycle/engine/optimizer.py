@@ -153,7 +153,8 @@ class StaggeredOptimizer:
                  served: frozenset[int] = frozenset(), stage_rerouted: bool = False,
                  norm_source: int = 0, canonical_order: bool = True,
                  rerouted_pipelines: frozenset[int] = frozenset(), microbatches: int = 1,
-                 rank: int | None = None, norm_layout: NormLayout | None = None) -> None:
+                 rank: int | None = None, norm_layout: NormLayout | None = None,
+                 norm_params: list[nn.Parameter] | None = None) -> None:
         self.module = module
         self.optimizer = optimizer
         self.stage = stage
@@ -199,6 +200,9 @@ class StaggeredOptimizer:
         is absent): each such micro-batch's weight gradient is a row of its own, wherever it is computed."""
         self.microbatches = microbatches
         self.dp_ranks = sorted(dp_ranks)
+        self.norm_params = norm_params
+        """Stage 0 holding more than its own layers (re-partitioned): the parameters of its own layers, the ones
+        DeepSpeed's first-stage norm counts (None: all of the stage's)."""
         self.norm_layout = norm_layout if scope is ClipScope.FIRST_STAGE else None
         """Set while the first stage's layers of the job's own partition are not all on stage 0 (re-partitioned):
         the first-stage norm is then gathered per parameter from wherever its layers are
@@ -436,7 +440,8 @@ class StaggeredOptimizer:
             norms = [h.grad.detach().float().norm(2.0) for p, h in zip(self.params, self.holders)
                      if h.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
         else:
-            norms = [p.grad.data.detach().float().norm(2.0) for p in self.module.parameters() if p.grad is not None]
+            counted = self.module.parameters() if self.norm_params is None else self.norm_params
+            norms = [p.grad.data.detach().float().norm(2.0) for p in counted if p.grad is not None]
         if not norms:
             return torch.zeros(1)
         return torch.stack(norms).pow(2.0).sum().float().reshape(1)

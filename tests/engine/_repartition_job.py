@@ -6,7 +6,7 @@ test_repartition.py).
 
 ``--move K=PARTS``: before iteration K every live worker calls ``engine.repartition`` with the plan for that
 partition (the job's failure set, uniform layer costs). Prints ``MOVED K <transfers>`` on every rank and
-``step K loss X`` on the reporter.
+``step K loss X clipped C`` on the reporter (C: the step's gradients were clipped).
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ def main() -> int:
                                        training_data=MicroBatchSource(cfg),
                                        optimizer=build_optimizer(cfg, module.parameters()))
     layers = LayerCosts.uniform(len(module._layer_specs))
-    clipped = 0
     for step in range(args.steps):
         if step in moves:
             plan = partitioned_plan(layers, moves[step], rc.stages, rc.pipelines, cfg.micro_batches, absent)
@@ -58,11 +57,10 @@ def main() -> int:
             print(f"MOVED {step} {[(t.layer, t.src, t.dst) for t in done]} holds {list(engine.module.parts)}",
                   flush=True)
         loss = engine.train_batch()
+        engine.finish_step()
         outcome = engine.last_step
-        clipped += int(outcome is not None and outcome.clipped)
         if engine.is_reporter():
-            print(f"step {step} loss {float(loss):.8f}", flush=True)
-    print(f"CLIPPED {clipped}", flush=True)
+            print(f"step {step} loss {float(loss):.8f} clipped {outcome is not None and outcome.clipped}", flush=True)
     state = engine.gather_final_state()
     if state is not None:
         torch.save(state, args.save_final)
