@@ -5,9 +5,13 @@
         --costs 1,1,1,0.5,0.05 --memory-limit 6 --optimizer staggered --schedule adaptive \\
         --json plan.json --png plan.png --trace plan.trace.json
     ds-recycle plan --stages 4 --pipelines 2 --microbatches 8 --costs-file profile.json --schedule zb-h1
+    ds-recycle plan --stages 4 --pipelines 4 --microbatches 8 --fail 0:1 --layers 16   # with layers moved
 
 Prints the timeline, the time per iteration, the bubble fraction, the plan format's lower bound and the
-plan's ratio to it, and the ratio to the failure-free plan of the same schedule and settings.
+plan's ratio to it, and the ratio to the failure-free plan of the same schedule and settings. With ``--layers N``
+each stage's costs are N equal layers and the plan is made on the partition that evens out the live workers' work
+(:func:`~ds_recycle.plan.partition.choose_partition`: what a job does while the failure lasts); the choice is printed
+and the plan carries the partition.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from ds_recycle.plan.chart import timeline
 from ds_recycle.plan.costs import CostModel
 from ds_recycle.plan.errors import PlanError
 from ds_recycle.plan.ops import Worker
+from ds_recycle.plan.partition import LayerCosts, choose_partition, even_partition, partitioned_plan
 from ds_recycle.plan.plan import OPTIMIZERS, SCHEDULES, Plan, write_plan_json
 from ds_recycle.plan.schedules import best_failure_free_time, failure_free_time, make_plan
 from ds_recycle.plan.simulator import busy_time, peak_memory
@@ -77,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: synchronous for 1f1b (as DeepSpeed steps), staggered otherwise")
     parser.add_argument("--schedule", choices=SCHEDULES, default="adaptive")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the plan (ds-recycle-plan/1)")
+    parser.add_argument("--layers", type=_positive("--layers"), default=None, metavar="N",
+                        help="re-partition: each stage is N equal layers, moved between stages to even out the work")
     parser.add_argument("--png", type=Path, metavar="FILE", help="write a timeline picture")
     parser.add_argument("--trace", type=Path, metavar="FILE", help="write a Chrome trace")
     parser.add_argument("--width", type=_positive("--width"), default=120, help="columns of the printed timeline")
@@ -93,6 +100,14 @@ def _costs(args: argparse.Namespace) -> CostModel:
     return CostModel.uniform(args.stages, f, b, w, o, comm)
 
 
+def _layers(costs: CostModel, per_stage: int) -> LayerCosts:
+    """Each stage's costs as ``per_stage`` equal layers."""
+    def split(values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(v / per_stage for v in values for _ in range(per_stage))
+    return LayerCosts(split(costs.F), split(costs.B), split(costs.W), split(costs.O),
+                      (0.0,) * (per_stage * costs.stages), comm=costs.comm)
+
+
 def run(args: argparse.Namespace) -> int:
     """Make the plan, check it, print its figures and write the files asked for."""
     with gc_paused():  # ~10^5 acyclic objects: the cyclic collector would only re-scan them (see _gc)
@@ -105,8 +120,18 @@ def _run(args: argparse.Namespace) -> int:
         optimizer = args.optimizer or ("synchronous" if args.schedule == "1f1b" else "staggered")
         kwargs = dict(iterations=args.iterations, schedule=args.schedule, optimizer=optimizer,
                       memory_limit=args.memory_limit)
-        plan = make_plan(args.stages, args.pipelines, args.microbatches, costs, args.fail, **kwargs)
-        validate_plan(plan)
+        if args.layers is not None:
+            layers = _layers(costs, args.layers)
+            base = even_partition(layers.layers, args.stages)
+            choice = choose_partition(layers, args.stages, args.pipelines, args.microbatches, args.fail, base,
+                                      memory_limit=args.memory_limit)
+            print(f"re-partition ({args.layers} layers a stage): {choice.describe()}")
+            plan = partitioned_plan(layers, choice.partition, args.stages, args.pipelines, args.microbatches,
+                                    args.fail, **kwargs)
+            validate_plan(plan, layers)
+        else:
+            plan = make_plan(args.stages, args.pipelines, args.microbatches, costs, args.fail, **kwargs)
+            validate_plan(plan)
         free = failure_free_time(args.stages, args.pipelines, args.microbatches, costs, **kwargs)
         best_free = best_failure_free_time(args.stages, args.pipelines, args.microbatches, costs,
                                            iterations=args.iterations, optimizer=optimizer,
@@ -121,8 +146,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _report(plan: Plan, free: float, best_free: float, costs: CostModel, args: argparse.Namespace) -> None:
     K = plan.iterations
-    bound = lower_bound(plan.stages, plan.pipelines, plan.microbatches, costs, plan.failed, K)
-    tight = best_lower_bound(plan.stages, plan.pipelines, plan.microbatches, costs, plan.failed, K,
+    bound = lower_bound(plan.stages, plan.pipelines, plan.microbatches, plan.costs, plan.failed, K)
+    tight = best_lower_bound(plan.stages, plan.pipelines, plan.microbatches, plan.costs, plan.failed, K,
                              optimizer=plan.optimizer, memory_limit=args.memory_limit)
     best = max(bound, best_free)
     bubble = 1 - busy_time(plan.workers) / (len(plan.workers) * plan.makespan)

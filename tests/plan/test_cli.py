@@ -40,6 +40,16 @@ def test_cli_costs_file(tmp_path, capsys) -> None:
     assert "has 2 stages but --stages is 3" in capsys.readouterr().err
 
 
+def test_cli_repartitions_with_layers(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--stages", "4", "--pipelines", "4", "--microbatches", "8", "--fail", "0:1",
+                 "--layers", "16", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "re-partition (16 layers a stage): move: [0, 16, 32, 48, 64] -> [0, 18, 30, 47, 64]" in text
+    assert "(throughput kept 0.925" in text
+    assert json.loads(out.read_text())["partition"] == [0, 18, 30, 47, 64]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--fail", "1-2"], "expected PIPELINE:STAGE"),
     (["--costs", "1,1,1"], "expected five numbers"),
