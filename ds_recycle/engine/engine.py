@@ -347,7 +347,7 @@ class RecyclePipelineEngine(PipelineEngine):
     def seed_per_layer(self) -> None:
         """Draw each layer's randomness from its own per-micro-batch stream (:class:`LayerSeeds`), so that moving
         it to another stage does not change its dropout masks. Set before training when layers may move."""
-        self.layer_seeds = LayerSeeds(self.rng_seed)
+        self.layer_seeds = LayerSeeds(self.rng_seed, self.device)
         self.layer_seeds.attach(self._held_layers())
 
     def _held_layers(self) -> dict[int, Any]:
