@@ -114,6 +114,11 @@ class PipelineTimer:
     # -- ReCycle ----------------------------------------------------------------------------------
     def recycle_iteration_s(self, failed: frozenset[Worker]) -> float:
         """Time per iteration of ReCycle's adapted plan; raises StageLostError if a stage is gone."""
+        return max(self._group_time(size, fs) for size, fs in self._groups(failed))
+
+    def _groups(self, failed: frozenset[Worker]) -> list[tuple[int, frozenset[Worker]]]:
+        """Each re-routing group's size and failure set (see the module docstring); StageLostError if a stage
+        lost every replica."""
         S, D = self.shape.stages, self.shape.pipelines
         counts = [0] * S
         for _, s in failed:
@@ -123,8 +128,8 @@ class PipelineTimer:
                 raise StageLostError(s, D)
         sizes = self.shape.group_sizes
         if len(sizes) == 1:
-            return self._group_time(D, failed)
-        return max(self._group_time(size, fs) for size, fs in zip(sizes, _spread(counts, sizes)))
+            return [(D, failed)]
+        return list(zip(sizes, _spread(counts, sizes)))
 
     def _group_time(self, size: int, failed: frozenset[Worker]) -> float:
         key, _ = normalize_failures(failed, self.shape.stages, size)
@@ -157,17 +162,9 @@ class PipelineTimer:
         return self._costs_iteration_s(failed, self.layers()[0].stage_costs(parts))
 
     def _costs_iteration_s(self, failed: frozenset[Worker], costs: CostModel) -> float:
-        S, D = self.shape.stages, self.shape.pipelines
-        counts = [0] * S
-        for _, s in failed:
-            counts[s] += 1
-        for s, f in enumerate(counts):
-            if f >= D:
-                raise StageLostError(s, D)
-        sizes = self.shape.group_sizes
-        groups = [failed] if len(sizes) == 1 else _spread(counts, sizes)
+        S = self.shape.stages
         worst = 0.0
-        for size, fs in zip(sizes, groups):
+        for size, fs in self._groups(failed):
             key = (size, normalize_failures(fs, S, size)[0], costs)
             hit = self._partition_memo.get(key)
             if hit is None:
