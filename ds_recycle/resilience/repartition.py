@@ -4,9 +4,10 @@ Re-routing covers a failure at once; when it lasts, every live worker's work can
 (:mod:`ds_recycle.plan.partition`, ``recycle.repartition``). At each iteration boundary the
 :class:`Repartitioner` of every member sees the same membership (the failure set) and the same iteration:
 
-1. When the membership changes, the *deciding rank* (the lowest member) starts choosing in the background: the
-   best partition of the layers for the live replicas, each candidate timed by the planner from the current
-   partition, and the plan for it.
+1. When the membership changes, the *deciding rank* (the lowest member) starts choosing in a background thread:
+   the best partition of the layers for the live replicas, each candidate timed by the planner from the current
+   partition, and the plan for it (the planner is pure Python: that rank's training thread shares the interpreter
+   with it for the planning's duration, a fraction of a second to seconds).
 2. ``after_iterations`` boundaries later it writes the decision to the store (under the generation's root:
    ``repartition/<round>/<iteration>``): stay, or the partition with its plan (the plan format); the others wait
    for it there (bounded; a member lost meanwhile is a failure like any other). A move pays when the time it saves
@@ -151,9 +152,7 @@ class Repartitioner:
             logger.info("repartition: staying on %s (%s)", list(parts), decision.why)
             return []
         assert decision.plan is not None
-        plan = Plan.from_json(decision.plan, schedule=engine.plan.schedule if hasattr(engine.plan, "schedule")
-                              else "adaptive")
-        return [self._move(engine, plan, parts, absent, decision)]
+        return [self._move(engine, Plan.from_json(decision.plan), parts, absent, decision)]
 
     def restore(self, engine: Any, plan: Any, again: bool = False) -> Event | None:
         """Move back to the job's own partition (every member at the same boundary: before a rejoin, before a
