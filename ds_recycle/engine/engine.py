@@ -49,7 +49,7 @@ from ds_recycle.engine.backward import (
 )
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
-from ds_recycle.engine.layer_move import Transfer, movable_reason, move_layers, spec_parameters
+from ds_recycle.engine.layer_move import Transfer, held_layers, movable_reason, move_layers
 from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs, timed_kind
 from ds_recycle.engine.optimizer import ClipScope, NormLayout, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
@@ -172,7 +172,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """The layer boundaries the job was built with (DeepSpeed's ``PipelineModule.parts``)."""
         self.layers_fixed: str | None = movable_reason(self.module, self.bfloat16_enabled())
         """Why this job's layers cannot move between stages (None: they can; :meth:`repartition`)."""
-        self._norm_layouts: dict[tuple[int, ...], NormLayout | None] = {}
+        self._first_stage_layout: NormLayout | None = None
         self.layer_seeds: LayerSeeds | None = None
         """Per-layer random streams (:meth:`seed_per_layer`), or None: one stream per stage."""
         self.tied = tied_weights(self.module)
@@ -262,7 +262,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """On stage 0 holding more than its own layers: the parameters of its own (the first-stage norm's)."""
         if self.stage_id != 0 or self.partition[1] <= self.base_parts[1]:
             return None
-        own = [f for i, f in self._held_layers().items() if i < self.base_parts[1]]
+        own = [f for i, f in held_layers(self.module).items() if i < self.base_parts[1]]
         return [p for f in own if isinstance(f, torch.nn.Module) for p in f.parameters()]
 
     @property
@@ -273,16 +273,11 @@ class RecyclePipelineEngine(PipelineEngine):
     def _norm_layout(self) -> NormLayout | None:
         """The first-stage norm's layout while some of stage 0's own layers are on other stages (else None: stage 0
         holds them all and computes the norm alone, :meth:`_first_stage_params`)."""
-        parts = self.partition
-        if parts[1] >= self.base_parts[1] or self.clip_scope is not ClipScope.FIRST_STAGE:
+        if self.partition[1] >= self.base_parts[1] or self.clip_scope is not ClipScope.FIRST_STAGE:
             return None
-        if parts not in self._norm_layouts:
-            offsets, size = {}, 0
-            for index in range(self.base_parts[0], self.base_parts[1]):
-                offsets[index] = size
-                size += len(spec_parameters(self.module._layer_specs[index]))
-            self._norm_layouts[parts] = NormLayout(offsets, size)
-        return self._norm_layouts[parts]
+        if self._first_stage_layout is None:  # it depends on the job's own partition only
+            self._first_stage_layout = NormLayout.of_layers(self.module._layer_specs, self.base_parts[1])
+        return self._first_stage_layout
 
     # ------------------------------------------------------------------ the hook surface (engine.driver)
     def attach_driver(self, driver: Driver) -> None:
@@ -348,10 +343,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """Draw each layer's randomness from its own per-micro-batch stream (:class:`LayerSeeds`), so that moving
         it to another stage does not change its dropout masks. Set before training when layers may move."""
         self.layer_seeds = LayerSeeds(self.rng_seed, self.device)
-        self.layer_seeds.attach(self._held_layers())
-
-    def _held_layers(self) -> dict[int, Any]:
-        return {int(self.module._local_start) + k: f for k, f in enumerate(self.module.forward_funcs)}
+        self.layer_seeds.attach(held_layers(self.module))
 
     def repartition(self, plan: PlanLike) -> list[Transfer]:
         """Move layers to ``plan``'s partition and run ``plan`` from the next iteration on (every live worker calls
@@ -375,7 +367,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self.capture = OwnerCapture(self.module)
         self.capture.per_owner = per_owner
         if self.layer_seeds is not None:
-            self.layer_seeds.attach(self._held_layers())
+            self.layer_seeds.attach(held_layers(self.module))
         self.switch_plan(plan)
         return moved
 

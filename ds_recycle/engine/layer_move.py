@@ -75,9 +75,9 @@ def spec_parameters(spec: Any) -> list[int]:
         return [p.numel() for p in build().parameters() if p.requires_grad]
 
 
-def held_layers(module: Any) -> range:
-    """The global indices of the layers this stage holds."""
-    return range(module._local_start, module._local_stop)
+def held_layers(module: Any) -> dict[int, Any]:
+    """The layers this stage holds, by global index (modules and functions)."""
+    return {int(module._local_start) + k: f for k, f in enumerate(module.forward_funcs)}
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts
     parts = tuple(int(x) for x in parts)
     plan = [t for t in transfers(layer_moves(old, parts), workers)
             if isinstance(module._layer_specs[t.layer], LayerSpec)]  # functions carry no state
-    layers = {i: module.forward_funcs[i - module._local_start] for i in held_layers(module)}
+    layers = held_layers(module)
     sends = []
     for t in plan:
         if t.src == rank:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_recycle.engine.layer_move import spec_parameters
 from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.transport import Transport
 
@@ -118,6 +119,15 @@ class NormLayout:
 
     offsets: dict[int, int]
     size: int
+
+    @classmethod
+    def of_layers(cls, specs: Sequence[Any], counted: int) -> NormLayout:
+        """The layout of layers ``0`` to ``counted - 1`` of a ``PipelineModule``'s layer list."""
+        offsets, size = {}, 0
+        for index in range(counted):
+            offsets[index] = size
+            size += len(spec_parameters(specs[index]))
+        return cls(offsets, size)
 
     def contribution(self, module: Any, writes: bool) -> torch.Tensor:
         """This worker's part of the vector (all zeros unless ``writes``: its stage's first replica)."""
