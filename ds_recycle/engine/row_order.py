@@ -7,8 +7,10 @@ worker runs its W (or fused B+W) in micro-batch order ``0, 1, ..., M-1``, so the
 re-routed work into its bubbles; floating-point addition is not associative, so accumulating in that order
 would leave the row, and the model, a rounding away from the failure-free one.
 
-:class:`RowOrder` keeps the failure-free order without constraining the plan: a weight-gradient accumulation
-whose predecessors in its row have not accumulated yet is *held* and run right after the last of them. A held
+:class:`RowOrder` keeps the failure-free order whatever plan it runs: a weight-gradient accumulation whose
+predecessors in its row have not accumulated yet is *held* and run right after the last of them. The planner
+places split W in that order (:mod:`ds_recycle.plan.listsched`), so its plans need a hold only where a memory
+limit forced one; a plan from elsewhere may need more. A held
 split W keeps its autograd graph a little longer and moves its compute later on the same worker (it sends
 nothing, so no peer waits on it); a fused B+W runs when the plan says (its input gradient is sent on) with its
 weight gradient set aside, and the set-aside gradient is added in its turn. Pipelines whose micro-batches are

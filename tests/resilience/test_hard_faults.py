@@ -226,8 +226,7 @@ def baselines_d(reference: Callable[[int, int, int], Path]) -> dict[int, Path]:
 
 
 # (pipelines, [(rank, delay after the previous kill)]); ranks are stage-major: (p, s) is rank s * D + p.
-# 2x3-whole-pipeline: pipeline 0 lost at both stages; its plan runs worker (2, 0)'s own W in the order 3, 2, 0, 1
-# (benchmarks/plan_w_order.py), which the engine adds in index order (ds_recycle.engine.row_order).
+# 2x3-whole-pipeline: pipeline 0 lost at both stages, its micro-batches spread over both survivors at both stages.
 KILLS = [(3, [(1, 0.0)]), (3, [(1, 0.0), (2, 0.0)]), (3, [(1, 0.0), (5, 0.3)]), (3, [(1, 0.0), (2, 0.3)]),
          (3, [(0, 0.0), (3, 0.0)]), (4, [(2, 0.0)]), (4, [(1, 0.0), (6, 0.3)])]
 IDS = ["2x3-single", "2x3-double", "2x3-cascade-other-stage", "2x3-cascade-same-stage", "2x3-whole-pipeline",
