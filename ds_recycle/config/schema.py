@@ -55,6 +55,9 @@ class GPTConfig:
     """Hidden width of each MLP as a multiple of ``d_model``."""
     init_seed: int = 42
     """Layer ``i`` is initialised from seed ``init_seed + i``, whatever the partition or engine."""
+    tie_embeddings: bool = False
+    """The LM head uses the token embedding's table (GPT-2's weight tying), as DeepSpeed models do it: a
+    ``TiedLayerSpec`` on the first and the last stage, the table's gradient summed over both."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "d_model", "n_head", "mlp_ratio"):

@@ -49,7 +49,7 @@ from ds_recycle.engine.backward import (
 )
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
-from ds_recycle.engine.layer_move import Transfer, held_layers, movable_reason, move_layers
+from ds_recycle.engine.layer_move import Transfer, held_layers, movable_reason, move_layers, pinned_layers
 from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs, timed_kind
 from ds_recycle.engine.optimizer import ClipScope, NormLayout, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
@@ -172,6 +172,8 @@ class RecyclePipelineEngine(PipelineEngine):
         """The layer boundaries the job was built with (DeepSpeed's ``PipelineModule.parts``)."""
         self.layers_fixed: str | None = movable_reason(self.module, self.bfloat16_enabled())
         """Why this job's layers cannot move between stages (None: they can; :meth:`repartition`)."""
+        self.pinned_layers: dict[int, int] = pinned_layers(self.module, self.base_parts)
+        """Layers that stay on their stage when the others move (``TiedLayerSpec``): ``layer -> stage``."""
         self._first_stage_layout: NormLayout | None = None
         self.layer_seeds: LayerSeeds | None = None
         """Per-layer random streams (:meth:`seed_per_layer`), or None: one stream per stage."""
@@ -262,8 +264,9 @@ class RecyclePipelineEngine(PipelineEngine):
         """On stage 0 holding more than its own layers: the parameters of its own (the first-stage norm's)."""
         if self.stage_id != 0 or self.partition[1] <= self.base_parts[1]:
             return None
-        own = [f for i, f in held_layers(self.module).items() if i < self.base_parts[1]]
-        return [p for f in own if isinstance(f, torch.nn.Module) for p in f.parameters()]
+        extra = {id(p) for i, f in held_layers(self.module).items()
+                 if i >= self.base_parts[1] and isinstance(f, torch.nn.Module) for p in f.parameters()}
+        return [p for p in self.module.parameters() if id(p) not in extra]  # its tied modules first, as built
 
     @property
     def partition(self) -> tuple[int, ...]:

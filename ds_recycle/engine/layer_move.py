@@ -17,9 +17,12 @@ flight, gradients reduced and the step finished):
    their optimizer state. The module's children stay in layer order, so ``parameters()`` lists them as a module
    built on that partition would, and DeepSpeed's checkpoint files stay by layer index.
 
-What cannot be moved is found before training (:func:`movable_reason`): a ``TiedLayerSpec`` (its weight lives on
-several stages), a layer given as a built ``nn.Module`` (a receiver cannot rebuild it), activation checkpointing
-(segments are cut by local position), bf16 master weights (not carried yet).
+A ``TiedLayerSpec``'s module is shared by every stage that holds one of its layers (its weight summed over them,
+:mod:`ds_recycle.engine.tied`): such layers never move (:func:`pinned_layers`; the partition chooser keeps them
+where they are, which for a GPT's tied embedding and head, the first and the last layer, costs nothing), and the
+other layers move around them. What cannot be moved at all is found before training (:func:`movable_reason`): a
+layer given as a built ``nn.Module`` (a receiver cannot rebuild it), activation checkpointing (segments are cut by
+local position), bf16 master weights (not carried yet).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from ds_recycle.engine.transport import Transport
 from ds_recycle.plan.partition import Move, layer_moves
 from ds_recycle.runtime.grid import WorkerMap
 
-__all__ = ["movable_reason", "Transfer", "transfers", "move_layers", "held_layers", "spec_parameters"]
+__all__ = ["movable_reason", "pinned_layers", "Transfer", "transfers", "move_layers", "held_layers", "spec_parameters"]
 
 _TAG = 7_000_000
 """Tags of the layer transfers (two a layer: its size, then its bytes), clear of the engine's own."""
@@ -48,9 +51,6 @@ def movable_reason(module: Any, bf16: bool = False) -> str | None:
     if specs is None:
         return "the model is not a DeepSpeed PipelineModule"
     for i, spec in enumerate(specs):
-        if isinstance(spec, TiedLayerSpec):
-            return (f"layer {i} is a TiedLayerSpec ({spec.key!r}): its weight is shared by several stages, which "
-                    f"a move does not carry yet")
         if isinstance(spec, LayerSpec):
             continue
         if isinstance(spec, nn.Module):
@@ -61,6 +61,12 @@ def movable_reason(module: Any, bf16: bool = False) -> str | None:
     if bf16:
         return "bf16 master weights are not carried by a move yet"
     return None
+
+
+def pinned_layers(module: Any, parts: Sequence[int]) -> dict[int, int]:
+    """The layers that never move (``TiedLayerSpec``), each with its stage under ``parts``."""
+    return {i: next(s for s in range(len(parts) - 1) if parts[s] <= i < parts[s + 1])
+            for i, spec in enumerate(getattr(module, "_layer_specs", ())) if isinstance(spec, TiedLayerSpec)}
 
 
 def spec_parameters(spec: Any) -> list[int]:
@@ -122,7 +128,12 @@ def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts
     ``ds-recycle launch``: a peer lost during a move is a failure like any other)."""
     old = tuple(module.parts)
     parts = tuple(int(x) for x in parts)
-    plan = [t for t in transfers(layer_moves(old, parts), workers)
+    moves = layer_moves(old, parts)
+    tied = [mv.layer for mv in moves if isinstance(module._layer_specs[mv.layer], TiedLayerSpec)]
+    if tied:
+        raise ValueError(f"partition {list(parts)} moves tied layer(s) {tied} (TiedLayerSpec): they stay on their "
+                         f"stages; choose a partition that keeps them (plan.partition.choose_partition(pinned=...))")
+    plan = [t for t in transfers(moves, workers)
             if isinstance(module._layer_specs[t.layer], LayerSpec)]  # functions carry no state
     layers = held_layers(module)
     sends = []
@@ -151,7 +162,7 @@ def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts
             new[i] = layers[i]
             continue
         new[i] = _rebuild(module, i, received[i], optimizer)
-    for i, layer in layers.items():
+    for i, layer in layers.items():  # a tied module never leaves (refused above)
         if not start <= i < stop and isinstance(layer, nn.Module):
             _forget(layer, optimizer)
     _install(module, new, parts, stage)
@@ -197,7 +208,7 @@ def _install(module: Any, layers: dict[int, Any], parts: tuple[int, ...], stage:
     for i in sorted(layers):
         layer = layers[i]
         module.forward_funcs.append(layer)
-        if isinstance(layer, nn.Module):
+        if isinstance(layer, nn.Module) and not isinstance(module._layer_specs[i], TiedLayerSpec):  # in tied_modules
             module.fwd_map[str(i)] = len(module.forward_funcs) - 1
             module.add_module(str(i), layer)
     module.parts = list(parts)

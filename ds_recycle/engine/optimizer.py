@@ -43,6 +43,7 @@ Semantics (each stage, each iteration):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 from collections.abc import Iterable, Iterator, Sequence
@@ -51,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
 from ds_recycle.engine.layer_move import spec_parameters
@@ -110,35 +112,52 @@ class _Pending:
 class NormLayout:
     """Where each parameter of the first stage's layers (of the job's own partition) sits in the norm vector.
 
-    ``offsets[layer]`` is the first entry of that layer's trainable parameters, in ``parameters()`` order. Each
+    ``offsets[layer]`` is the first entry of that layer's trainable parameters, in ``parameters()`` order; a tied
+    module (``TiedLayerSpec``) has one entry by its key, before the layers, as ``PipelineModule`` registers its
+    ``tied_modules`` first, written by the worker that holds the key's first layer (tied layers never move). Each
     stage's first replica writes the gradient norms of the counted parameters it holds, and a presence flag, into a
     vector of ``2 * size`` entries that every live worker all-reduces (one writer an entry: exact); the squared norm
     is then ``stack(norms).pow(2).sum()`` over the present entries in order: the very sum stage 0 computes when it
     holds all of them (:meth:`StaggeredOptimizer._stage_sq`), whatever the partition.
     """
 
-    offsets: dict[int, int]
+    offsets: dict[int | str, int]
     size: int
+    tied_first: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each tied key's first layer (its holder writes the key's entries)."""
 
     @classmethod
     def of_layers(cls, specs: Sequence[Any], counted: int) -> NormLayout:
         """The layout of layers ``0`` to ``counted - 1`` of a ``PipelineModule``'s layer list."""
-        offsets, size = {}, 0
+        offsets: dict[int | str, int] = {}
+        tied_first: dict[str, int] = {}
+        size = 0
         for index in range(counted):
-            offsets[index] = size
-            size += len(spec_parameters(specs[index]))
-        return cls(offsets, size)
+            key = getattr(specs[index], "key", None) if isinstance(specs[index], TiedLayerSpec) else None
+            if key is not None and key not in tied_first:
+                tied_first[key] = index
+                offsets[key] = size
+                size += len(spec_parameters(specs[index]))
+        for index in range(counted):
+            if not isinstance(specs[index], TiedLayerSpec):
+                offsets[index] = size
+                size += len(spec_parameters(specs[index]))
+        return cls(offsets, size, tied_first)
 
     def contribution(self, module: Any, writes: bool) -> torch.Tensor:
         """This worker's part of the vector (all zeros unless ``writes``: its stage's first replica)."""
         out = torch.zeros(2 * self.size)
         if not writes:
             return out
+        start, stop = int(module._local_start), int(module._local_stop)
+        held: list[tuple[int, nn.Module]] = [
+            (self.offsets[key], module.tied_modules[key]) for key, first in self.tied_first.items()
+            if start <= first < stop]
         for local, layer in enumerate(module.forward_funcs):
-            index = int(module._local_start) + local
-            if index not in self.offsets or not isinstance(layer, nn.Module):
-                continue
-            at = self.offsets[index]
+            index = start + local
+            if index in self.offsets and isinstance(layer, nn.Module):
+                held.append((self.offsets[index], layer))
+        for at, layer in held:
             for k, p in enumerate(q for q in layer.parameters() if q.requires_grad):
                 if p.grad is not None:
                     out[at + k] = p.grad.data.detach().float().norm(2.0)

@@ -1,7 +1,9 @@
 """A decoder-only transformer written for DeepSpeed's pipeline partitioner.
 
 The model is ``[Embedding, Block x n_layer, Head]``: token and position embeddings, pre-norm blocks
-of causal self-attention and an MLP, a final LayerNorm and the LM head. Each entry is a
+of causal self-attention and an MLP, a final LayerNorm and the LM head (with ``tie_embeddings``:
+``[Embedding, Block x n_layer, LayerNorm, Embedding]``, the last computing the logits from the token table
+it shares with the first, as a ``TiedLayerSpec``). Each entry is a
 ``LayerSpec``, so only the layers of a worker's own stage are ever built. Partitioning with
 ``"type:Block"`` balances the blocks over the stages; the embedding joins the first stage and the
 head the last.
@@ -15,7 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from ds_recycle.config import GPTConfig
@@ -85,9 +87,21 @@ def gpt_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def _tied_logits(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The LM head of a tied model: logits from the token embedding's own table."""
+    return F.linear(x, embedding.tok.weight)
+
+
 def gpt_layer_specs(cfg: GPTConfig) -> list[LayerSpec]:
-    """The model as DeepSpeed layer specs, in order."""
-    return [LayerSpec(Embedding, cfg)] + [LayerSpec(Block, cfg) for _ in range(cfg.n_layer)] + [LayerSpec(Head, cfg)]
+    """The model as DeepSpeed layer specs, in order. With ``tie_embeddings`` the first and the last layer are
+    ``TiedLayerSpec("embed", Embedding)`` (the last computing the logits from its token table) and the final
+    LayerNorm is a layer of its own before it."""
+    blocks = [LayerSpec(Block, cfg) for _ in range(cfg.n_layer)]
+    if not cfg.tie_embeddings:
+        return [LayerSpec(Embedding, cfg), *blocks, LayerSpec(Head, cfg)]
+    return [TiedLayerSpec("embed", Embedding, cfg, tied_weight_attr="tok.weight"), *blocks,
+            LayerSpec(nn.LayerNorm, cfg.d_model),
+            TiedLayerSpec("embed", Embedding, cfg, forward_fn=_tied_logits, tied_weight_attr="tok.weight")]
 
 
 def _seed_layer(seed: int) -> None:

@@ -18,12 +18,16 @@ The choice (:func:`choose_partition`): the partition that minimises the heaviest
 compute (each stage's layers' F + B + W over its live replicas), found exactly by dynamic programming, and the
 partitions one boundary step away from it, each planned by the real planner; the fastest plan wins. It moves
 when the time it saves over ``horizon`` iterations exceeds the move's transfer (:func:`move_seconds`).
+
+*Pinned* layers (``layer -> stage``) stay where they are in every partition considered: a ``TiedLayerSpec``'s
+module is shared by several stages and is never moved (a GPT's tied embedding and head sit on the first and last
+stage anyway, which always keep their first and last layer).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +42,10 @@ if TYPE_CHECKING:
 
 _KINDS = ("F", "B", "W", "O")
 
-__all__ = ["Partition", "LayerCosts", "Move", "RepartitionChoice", "check_partition", "even_partition",
-           "balanced_partition", "granularity_bound", "layer_moves", "move_seconds", "choose_partition", "partitioned_plan"]
+__all__ = ["Partition", "Pinned", "LayerCosts", "Move", "RepartitionChoice", "allowed", "check_partition",
+           "even_partition", "balanced_partition", "granularity_bound", "layer_moves", "move_seconds",
+           "choose_partition", "partitioned_plan"]
+
 
 def even_partition(layers: int, stages: int) -> Partition:
     """Layers split as evenly as possible, the earlier stages taking the remainder."""
@@ -116,18 +122,42 @@ class LayerCosts:
                 "state_bytes": list(self.state_bytes), "bandwidth": self.bandwidth, "comm": self.comm}
 
 
+Pinned = Mapping[int, int]
+"""Layers that may not move: ``layer -> the stage that holds it``."""
+
+
+def allowed(parts: Sequence[int], pinned: Pinned | None) -> bool:
+    """Whether partition ``parts`` keeps every pinned layer on its stage."""
+    return not pinned or all(parts[s] <= i < parts[s + 1] for i, s in pinned.items())
+
+
+def _boundary_ranges(stages: int, layers: int, pinned: Pinned | None) -> list[tuple[int, int]]:
+    """For each stage ``s``, the first layers it may start at (``lo`` to ``hi``) with every pinned layer kept."""
+    ranges = []
+    for s in range(stages):
+        lo = max([i + 1 for i, t in (pinned or {}).items() if t < s], default=s)
+        hi = min([i for i, t in (pinned or {}).items() if t >= s], default=layers - (stages - s))
+        ranges.append((max(lo, s), min(hi, layers - (stages - s))))
+    return ranges
+
+
 def _live_per_stage(failed: Iterable[Worker], stages: int, pipelines: int) -> list[int]:
     return [pipelines - f for f in failures_per_stage(failed, stages, pipelines)]
 
 
-def balanced_partition(costs: LayerCosts, stages: int, live: Sequence[int]) -> Partition:
+def balanced_partition(costs: LayerCosts, stages: int, live: Sequence[int], pinned: Pinned | None = None) -> Partition:
     """The contiguous partition minimising ``max_s work(s) / live[s]`` (ties: the smaller total of the
-    per-worker shares), exact, by dynamic programming over (stage, last layer): ``O(S L^2)``."""
+    per-worker shares), exact, by dynamic programming over (stage, last layer): ``O(S L^2)``; ``pinned`` layers
+    stay on their stages."""
     n = costs.layers
     if not 1 <= stages <= n:
         raise PlanError(f"{stages} stages for {n} layers: need 1 <= stages <= layers")
     if len(live) != stages or min(live) < 1:
         raise PlanError(f"live replicas per stage {list(live)}: give {stages} counts, each at least 1")
+    for i, t in (pinned or {}).items():
+        if not (0 <= i < n and 0 <= t < stages):
+            raise PlanError(f"pinned layer {i} on stage {t}: the model has {n} layers on {stages} stages")
+    ranges = _boundary_ranges(stages, n, pinned)
     prefix = [0.0]
     for i in range(n):
         prefix.append(prefix[-1] + costs.work(i))
@@ -140,7 +170,8 @@ def balanced_partition(costs: LayerCosts, stages: int, live: Sequence[int]) -> P
         best[0][j] = (share, share)
     for s in range(1, stages):
         for j in range(s + 1, n - (stages - s) + 2):
-            for i in range(s, j):
+            lo, hi = ranges[s]
+            for i in range(max(s, lo), min(j - 1, hi) + 1):
                 prev = best[s - 1][i]
                 if prev[0] == math.inf:
                     continue
@@ -148,6 +179,9 @@ def balanced_partition(costs: LayerCosts, stages: int, live: Sequence[int]) -> P
                 cand = (max(prev[0], share), prev[1] + share)
                 if cand < best[s][j]:
                     best[s][j], cut[s][j] = cand, i
+    if best[stages - 1][n][0] == math.inf:
+        raise PlanError(f"no partition of {n} layers over {stages} stages keeps the pinned layers {dict(pinned or {})} "
+                        f"on their stages with a layer on every stage")
     parts = [n]
     j = n
     for s in range(stages - 1, 0, -1):
@@ -157,14 +191,15 @@ def balanced_partition(costs: LayerCosts, stages: int, live: Sequence[int]) -> P
     return tuple(reversed(parts))
 
 
-def granularity_bound(costs: LayerCosts, stages: int, pipelines: int, failed: Iterable[Worker]) -> float:
+def granularity_bound(costs: LayerCosts, stages: int, pipelines: int, failed: Iterable[Worker],
+                      pinned: Pinned | None = None) -> float:
     """Throughput kept at best against failure-free when layers can move: the failure-free heaviest worker's
     share over the heaviest share of the best partition of the live workers (no bubbles counted). With
     divisible work it is ``(S D - f) / (S D)``; whole layers make it lower."""
     failed = list(failed)
-    full = balanced_partition(costs, stages, [pipelines] * stages)
+    full = balanced_partition(costs, stages, [pipelines] * stages, pinned)
     live = _live_per_stage(failed, stages, pipelines)
-    parts = balanced_partition(costs, stages, live)
+    parts = balanced_partition(costs, stages, live, pinned)
 
     def heaviest(p: Partition, counts: Sequence[int]) -> float:
         return max(math.fsum(costs.work(i) for i in range(p[s], p[s + 1])) * pipelines / counts[s]
@@ -241,21 +276,23 @@ PlanTimer = Callable[[CostModel], float]
 """Planned time per iteration of a cost model (for the failure set at hand)."""
 
 
-def _neighbours(parts: Partition) -> list[Partition]:
+def _neighbours(parts: Partition, pinned: Pinned | None) -> list[Partition]:
     out = []
     for s in range(1, len(parts) - 1):
         for step in (-1, 1):
             cand = list(parts)
             cand[s] += step
-            if cand[s - 1] < cand[s] < cand[s + 1]:
+            if cand[s - 1] < cand[s] < cand[s + 1] and allowed(cand, pinned):
                 out.append(tuple(cand))
     return out
 
 
 def choose_partition(costs: LayerCosts, stages: int, pipelines: int, microbatches: int,
                      failed: Iterable[Worker], current: Sequence[int], *, horizon: int = 50,
-                     timer: PlanTimer | None = None, memory_limit: int | None = None) -> RepartitionChoice:
-    """The partition to train on while ``failed`` lasts, planned (see the module docstring).
+                     timer: PlanTimer | None = None, memory_limit: int | None = None,
+                     pinned: Pinned | None = None) -> RepartitionChoice:
+    """The partition to train on while ``failed`` lasts, planned (see the module docstring); ``pinned`` layers
+    stay on their stages.
 
     ``timer`` times a cost model for this failure set (default: the adaptive planner's ``make_plan``);
     :class:`~ds_recycle.plan.errors.StageLostError` when a stage has no live replica.
@@ -264,6 +301,8 @@ def choose_partition(costs: LayerCosts, stages: int, pipelines: int, microbatche
         raise PlanError(f"horizon = {horizon}: give a number of iterations >= 0")
     failed = frozenset((int(p), int(s)) for p, s in failed)
     current = check_partition(current, costs.layers, stages, "current partition")
+    if not allowed(current, pinned):
+        raise PlanError(f"current partition {list(current)} moves a pinned layer ({dict(pinned or {})})")
     if timer is None:
         from ds_recycle.plan.schedules import make_plan
 
@@ -271,9 +310,9 @@ def choose_partition(costs: LayerCosts, stages: int, pipelines: int, microbatche
             return make_plan(stages, pipelines, microbatches, c, failed,
                              memory_limit=memory_limit).time_per_iteration
     live = _live_per_stage(failed, stages, pipelines)
-    seed = balanced_partition(costs, stages, live)
+    seed = balanced_partition(costs, stages, live, pinned)
     timed: dict[Partition, float] = {current: timer(costs.stage_costs(current))}
-    for cand in [seed, *_neighbours(seed), balanced_partition(costs, stages, [pipelines] * stages)]:
+    for cand in [seed, *_neighbours(seed, pinned), balanced_partition(costs, stages, [pipelines] * stages, pinned)]:
         if cand not in timed:
             timed[cand] = timer(costs.stage_costs(cand))
     best = min(timed, key=lambda p: (timed[p], p != current, move_seconds(costs, current, p)))

@@ -185,7 +185,7 @@ class Repartitioner:
         S, D, M = engine.num_stages, engine.workers.pipelines, self.microbatches
         try:
             choice = choose_partition(self.layers, S, D, M, absent, parts, horizon=self.cfg.horizon,
-                                      memory_limit=self.plan_options.get("memory_limit"))
+                                      memory_limit=self.plan_options.get("memory_limit"), pinned=engine.pinned_layers)
             plan = None
             if choice.partition != parts:
                 plan = partitioned_plan(self.layers, choice.partition, S, D, M, absent, **self.plan_options).to_json()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from ds_recycle.engine.layer_move import Transfer, movable_reason, transfers
+from ds_recycle.engine.layer_move import Transfer, movable_reason, move_layers, pinned_layers, transfers
 from ds_recycle.plan.partition import layer_moves
 from ds_recycle.runtime.grid import WorkerMap
 
@@ -30,9 +31,19 @@ def test_what_cannot_move_is_named() -> None:
     assert "bf16" in (movable_reason(ok, bf16=True) or "")
     tied = SimpleNamespace(_layer_specs=[TiedLayerSpec("emb", torch.nn.Linear, 2, 2), linear],
                            activation_checkpoint_interval=0)
-    assert "layer 0 is a TiedLayerSpec ('emb')" in (movable_reason(tied) or "")
+    assert movable_reason(tied) is None  # the other layers move around it
     built = SimpleNamespace(_layer_specs=[linear, torch.nn.Linear(2, 2)], activation_checkpoint_interval=0)
     assert "Fix: give LayerSpec(Linear, ...)" in (movable_reason(built) or "")
     checkpointed = SimpleNamespace(_layer_specs=[linear], activation_checkpoint_interval=1)
     assert "activation checkpointing" in (movable_reason(checkpointed) or "")
     assert "not a DeepSpeed PipelineModule" in (movable_reason(torch.nn.Linear(1, 1)) or "")
+
+
+def test_tied_layers_are_pinned_and_a_partition_moving_one_is_refused_before_anything_moves() -> None:
+    linear = LayerSpec(torch.nn.Linear, 2, 2)
+    specs = [TiedLayerSpec("emb", torch.nn.Linear, 2, 2), linear, TiedLayerSpec("mid", torch.nn.Linear, 2, 2),
+             linear, TiedLayerSpec("emb", torch.nn.Linear, 2, 2)]
+    module = SimpleNamespace(_layer_specs=specs, parts=[0, 3, 5], activation_checkpoint_interval=0)
+    assert pinned_layers(module, (0, 3, 5)) == {0: 0, 2: 0, 4: 1}
+    with pytest.raises(ValueError, match=r"moves tied layer\(s\) \[2\]"):  # raised before any transfer
+        move_layers(module, None, 0, (0, 2, 5), WorkerMap.dense(2, 1, frozenset()), 0, None)  # type: ignore[arg-type]

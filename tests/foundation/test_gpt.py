@@ -45,3 +45,21 @@ def test_layer_init_depends_only_on_seed_and_index() -> None:
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb and torch.equal(pa, pb)
     assert not torch.equal(a[1].qkv.weight, a[2].qkv.weight)  # different layers, different seeds
+
+
+def test_tied_embeddings_share_the_token_table_between_first_and_last_layer() -> None:
+    from deepspeed.pipe import TiedLayerSpec
+
+    from ds_recycle.model.gpt import Embedding, _tied_logits
+
+    cfg = GPTConfig(seq_len=8, n_layer=2, d_model=16, n_head=2, tie_embeddings=True)
+    specs = gpt_layer_specs(cfg)
+    assert [type(s).__name__ for s in specs] == ["TiedLayerSpec", "LayerSpec", "LayerSpec", "LayerSpec",
+                                                 "TiedLayerSpec"]
+    first, last = specs[0], specs[-1]
+    assert isinstance(first, TiedLayerSpec) and isinstance(last, TiedLayerSpec)
+    assert first.key == last.key == "embed" and first.tied_weight_attr == ["tok.weight"]
+    embedding = first.build()
+    assert isinstance(embedding, Embedding)
+    x = torch.randn(2, 8, 16)
+    assert torch.equal(_tied_logits(embedding, x), x @ embedding.tok.weight.T)

@@ -10,6 +10,7 @@ import pytest
 from ds_recycle.plan import Plan, PlanError, PlanValidationError, make_plan, validate_document, validate_plan
 from ds_recycle.plan.partition import (
     LayerCosts,
+    allowed,
     balanced_partition,
     check_partition,
     choose_partition,
@@ -33,6 +34,28 @@ def test_balanced_partition_is_the_exact_minimum() -> None:
     brute = min(_heaviest(costs, (0, a, b, 9), live) for a, b in itertools.combinations(range(1, 9), 2))
     assert _heaviest(costs, best, live) == pytest.approx(brute)
     assert check_partition(best, 9, 3) == best
+
+
+@pytest.mark.parametrize("pinned", [{0: 0, 8: 2}, {3: 0}, {4: 1, 5: 1}, {2: 0, 6: 2}, {1: 0, 2: 1, 3: 2}])
+def test_pinned_layers_stay_and_the_rest_is_still_the_exact_minimum(pinned: dict[int, int]) -> None:
+    """Brute force again, over the cuts that keep every pinned layer (a tied module) on its stage."""
+    costs = LayerCosts([1, 3, 2, 2, 5, 1, 1, 4, 2], [1] * 9, [0.5] * 9, [0] * 9, [1] * 9)
+    live = [4, 3, 4]
+    best = balanced_partition(costs, 3, live, pinned)
+    assert allowed(best, pinned)
+    cuts = [(0, a, b, 9) for a, b in itertools.combinations(range(1, 9), 2) if allowed((0, a, b, 9), pinned)]
+    assert _heaviest(costs, best, live) == pytest.approx(min(_heaviest(costs, c, live) for c in cuts))
+    choice = choose_partition(costs, 3, 4, 6, [(0, 1)], (0, 3, 6, 9) if allowed((0, 3, 6, 9), pinned) else cuts[0],
+                              pinned=pinned)
+    assert allowed(choice.partition, pinned)
+
+
+def test_pinned_layers_that_cannot_stay_are_an_error() -> None:
+    costs = LayerCosts.uniform(6)
+    with pytest.raises(PlanError, match="pinned layers"):
+        balanced_partition(costs, 3, [2, 2, 2], {1: 2})  # layer 1 on stage 2 leaves stages 1 and 2 too little
+    with pytest.raises(PlanError, match="moves a pinned layer"):
+        choose_partition(costs, 3, 2, 4, [], (0, 2, 4, 6), pinned={2: 0})
 
 
 def test_stage_with_fewer_replicas_keeps_fewer_layers() -> None:
