@@ -170,7 +170,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self.clip_scope = clip_scope
         self.base_parts: tuple[int, ...] = self.partition
         """The layer boundaries the job was built with (DeepSpeed's ``PipelineModule.parts``)."""
-        self.layers_fixed: str | None = movable_reason(self.module, self.bfloat16_enabled())
+        self.layers_fixed: str | None = movable_reason(self.module)
         """Why this job's layers cannot move between stages (None: they can; :meth:`repartition`)."""
         self.pinned_layers: dict[int, int] = pinned_layers(self.module, self.base_parts)
         """Layers that stay on their stage when the others move (``TiedLayerSpec``): ``layer -> stage``."""
@@ -274,12 +274,19 @@ class RecyclePipelineEngine(PipelineEngine):
         return tuple(int(x) for x in self.module.parts)
 
     def _norm_layout(self) -> NormLayout | None:
-        """The first-stage norm's layout while some of stage 0's own layers are on other stages (else None: stage 0
-        holds them all and computes the norm alone, :meth:`_first_stage_params`)."""
-        if self.partition[1] >= self.base_parts[1] or self.clip_scope is not ClipScope.FIRST_STAGE:
+        """The clipping norm's layout while counted layers are not where the job's own partition has them: with
+        the first-stage norm, while some of stage 0's own layers are on other stages (else stage 0 holds them all and
+        computes the norm alone, :meth:`_first_stage_params`); with the whole model's, while re-partitioned."""
+        if self.clip_scope is ClipScope.FIRST_STAGE:
+            if self.partition[1] >= self.base_parts[1]:
+                return None
+        elif self.partition == self.base_parts:
             return None
         if self._first_stage_layout is None:  # it depends on the job's own partition only
-            self._first_stage_layout = NormLayout.of_layers(self.module._layer_specs, self.base_parts[1])
+            specs = self.module._layer_specs
+            self._first_stage_layout = (NormLayout.of_layers(specs, self.base_parts[1])
+                                        if self.clip_scope is ClipScope.FIRST_STAGE
+                                        else NormLayout.of_stages(specs, self.base_parts))
         return self._first_stage_layout
 
     # ------------------------------------------------------------------ the hook surface (engine.driver)

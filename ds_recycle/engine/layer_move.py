@@ -9,20 +9,22 @@ flight, gradients reduced and the step finished):
    worker of the same pipeline at the stage that held it, or, if that one is absent, the first live worker of that
    stage: every receiver gets the layer from a live holder, never from a checkpoint.
 2. **What moves.** The layer's ``state_dict`` (parameters and buffers) and, for each of its parameters in order,
-   its optimizer state and parameter-group index: the exact bits, serialized with ``torch.save``, through the
+   its optimizer state and parameter-group index, and in bf16 its fp32 master weight (the optimizer steps the
+   masters, :mod:`ds_recycle.engine.precision`): the exact bits, serialized with ``torch.save``, through the
    engine's transport. All sends are posted first, then every receive is taken, in one order known to all, so
    nothing waits in a cycle.
 3. **The receiver rebuilds the layer from its ``LayerSpec``** (under a forked RNG, so the worker's random stream
-   is untouched), loads the state, and puts it in the module at its index; layers that left are dropped with
-   their optimizer state. The module's children stay in layer order, so ``parameters()`` lists them as a module
-   built on that partition would, and DeepSpeed's checkpoint files stay by layer index.
+   is untouched; each tensor in the dtype the sender's had, as DeepSpeed cast it), loads the state, and puts it in
+   the module at its index; layers that left are dropped with their optimizer state. The module's children stay in
+   layer order, so ``parameters()`` lists them as a module built on that partition would, and DeepSpeed's
+   checkpoint files stay by layer index.
 
 A ``TiedLayerSpec``'s module is shared by every stage that holds one of its layers (its weight summed over them,
 :mod:`ds_recycle.engine.tied`): such layers never move (:func:`pinned_layers`; the partition chooser keeps them
 where they are, which for a GPT's tied embedding and head, the first and the last layer, costs nothing), and the
 other layers move around them. What cannot be moved at all is found before training (:func:`movable_reason`): a
 layer given as a built ``nn.Module`` (a receiver cannot rebuild it), activation checkpointing (segments are cut by
-local position), bf16 master weights (not carried yet).
+local position).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.transport import Transport
 from ds_recycle.plan.partition import Move, layer_moves
 from ds_recycle.runtime.grid import WorkerMap
@@ -45,7 +48,7 @@ _TAG = 7_000_000
 """Tags of the layer transfers (two a layer: its size, then its bytes), clear of the engine's own."""
 
 
-def movable_reason(module: Any, bf16: bool = False) -> str | None:
+def movable_reason(module: Any) -> str | None:
     """Why ``module``'s layers cannot move between stages (None: they can)."""
     specs = getattr(module, "_layer_specs", None)
     if specs is None:
@@ -58,8 +61,6 @@ def movable_reason(module: Any, bf16: bool = False) -> str | None:
                     f"rebuild it. Fix: give LayerSpec({type(spec).__name__}, ...) in the layer list")
     if getattr(module, "activation_checkpoint_interval", 0) > 0:
         return "activation checkpointing cuts segments by local position, which a move changes"
-    if bf16:
-        return "bf16 master weights are not carried by a move yet"
     return None
 
 
@@ -109,11 +110,18 @@ def transfers(moves: Sequence[Move], workers: WorkerMap) -> list[Transfer]:
     return out
 
 
-def _payload(layer: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+def _master(optimizer: Any, param: nn.Parameter) -> nn.Parameter:
+    """The tensor the optimizer steps for ``param``: its fp32 master in bf16, else itself."""
+    return optimizer.master_of(param) if isinstance(optimizer, MasterWeightOptimizer) else param
+
+
+def _payload(layer: nn.Module, optimizer: Any) -> torch.Tensor:
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    state = [(group_of.get(id(p), -1), dict(optimizer.state.get(p, {}))) for p in layer.parameters()]
+    stepped = [_master(optimizer, p) for p in layer.parameters()]
+    state = [(group_of.get(id(m), -1), dict(optimizer.state.get(m, {}))) for m in stepped]
+    masters = ([m.detach() for m in stepped] if isinstance(optimizer, MasterWeightOptimizer) else None)
     buf = io.BytesIO()
-    torch.save({"module": layer.state_dict(), "optimizer": state}, buf)
+    torch.save({"module": layer.state_dict(), "optimizer": state, "masters": masters}, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
@@ -180,18 +188,36 @@ def _rebuild(module: Any, index: int, payload: dict[str, Any] | None, optimizer:
         layer = spec.build()
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     layer.to(device)
+    masters = payload.get("masters")
+    _match_dtypes(layer, payload["module"])
     layer.load_state_dict(payload["module"])
-    for p, (group, state) in zip(layer.parameters(), payload["optimizer"]):
+    for k, (p, (group, state)) in enumerate(zip(layer.parameters(), payload["optimizer"])):
+        stepped = p
+        if isinstance(optimizer, MasterWeightOptimizer) and masters is not None and p.requires_grad:
+            stepped = optimizer.adopt(p, masters[k].to(device))
         if group >= 0:
-            optimizer.param_groups[group]["params"].append(p)
+            optimizer.param_groups[group]["params"].append(stepped)
         if state:
-            optimizer.state[p] = {k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                                  for k, v in state.items()}
+            optimizer.state[stepped] = {key: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                        for key, v in state.items()}
     return layer
 
 
-def _forget(layer: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _match_dtypes(layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Each parameter and buffer of the rebuilt ``layer`` takes the dtype the sender's had (DeepSpeed casts a bf16
+    job's parameters, not its buffers), so that ``load_state_dict`` copies the exact bits."""
+    tensors: dict[str, torch.Tensor] = dict(layer.named_parameters())
+    tensors.update(dict(layer.named_buffers()))
+    for name, value in state.items():
+        mine = tensors.get(name)
+        if mine is not None and mine.dtype != value.dtype:
+            mine.data = mine.data.to(value.dtype)
+
+
+def _forget(layer: nn.Module, optimizer: Any) -> None:
     gone = {id(p) for p in layer.parameters()}
+    if isinstance(optimizer, MasterWeightOptimizer):
+        gone |= {id(m) for m in (optimizer.drop(p) for p in layer.parameters()) if m is not None}
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if id(p) not in gone]
     for p in list(optimizer.state):
@@ -215,8 +241,10 @@ def _install(module: Any, layers: dict[int, Any], parts: tuple[int, ...], stage:
     module._set_bounds(start=parts[stage], stop=parts[stage + 1])
 
 
-def _order_groups(module: Any, optimizer: torch.optim.Optimizer) -> None:
+def _order_groups(module: Any, optimizer: Any) -> None:
     """Each parameter group lists its parameters in module order, as an optimizer built on this partition would."""
-    order = {id(p): k for k, p in enumerate(module.parameters())}
+    if isinstance(optimizer, MasterWeightOptimizer):
+        optimizer.reorder([p for p in module.parameters() if p.requires_grad])
+    order = {id(_master(optimizer, p)): k for k, p in enumerate(module.parameters())}
     for group in optimizer.param_groups:
         group["params"].sort(key=lambda p: order.get(id(p), len(order)))

@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,42 +110,58 @@ class _Pending:
 
 @dataclass(frozen=True)
 class NormLayout:
-    """Where each parameter of the first stage's layers (of the job's own partition) sits in the norm vector.
+    """Where each counted parameter of the job's own partition sits in the norm vector, by the stage that holds it
+    in that partition (the first stage only with :attr:`ClipScope.FIRST_STAGE`, every stage with ``WHOLE_MODEL``).
 
     ``offsets[layer]`` is the first entry of that layer's trainable parameters, in ``parameters()`` order; a tied
-    module (``TiedLayerSpec``) has one entry by its key, before the layers, as ``PipelineModule`` registers its
-    ``tied_modules`` first, written by the worker that holds the key's first layer (tied layers never move). Each
+    module (``TiedLayerSpec``) has one entry by its key, before its stage's layers, as ``PipelineModule`` registers
+    its ``tied_modules`` first, counted on the first stage that holds the key (DeepSpeed marks the other copies
+    ``ds_pipe_replicated``) and written by the worker holding the key's first layer (tied layers never move). Each
     stage's first replica writes the gradient norms of the counted parameters it holds, and a presence flag, into a
-    vector of ``2 * size`` entries that every live worker all-reduces (one writer an entry: exact); the squared norm
-    is then ``stack(norms).pow(2).sum()`` over the present entries in order: the very sum stage 0 computes when it
-    holds all of them (:meth:`StaggeredOptimizer._stage_sq`), whatever the partition.
+    vector of ``2 * size`` entries that every live worker all-reduces (one writer an entry: exact); a stage's squared
+    norm is then ``stack(norms).pow(2).sum()`` over the present entries of its range, in order: the very sum that
+    stage computes when it holds its own layers (:meth:`StaggeredOptimizer._stage_sq`), whatever the partition.
     """
 
     offsets: dict[int | str, int]
     size: int
     tied_first: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Each tied key's first layer (its holder writes the key's entries)."""
+    """Each counted tied key's first layer (its holder writes the key's entries)."""
+    ranges: tuple[tuple[int, int], ...] = ()
+    """Each counted stage's entries, ``[start, stop)``, by stage."""
 
     @classmethod
     def of_layers(cls, specs: Sequence[Any], counted: int) -> NormLayout:
-        """The layout of layers ``0`` to ``counted - 1`` of a ``PipelineModule``'s layer list."""
+        """The first-stage layout: layers ``0`` to ``counted - 1`` of a ``PipelineModule``'s layer list."""
+        return cls.of_stages(specs, (0, counted))
+
+    @classmethod
+    def of_stages(cls, specs: Sequence[Any], parts: Sequence[int]) -> NormLayout:
+        """The layout of every stage of partition ``parts`` (``S + 1`` boundaries) of a layer list."""
         offsets: dict[int | str, int] = {}
         tied_first: dict[str, int] = {}
+        ranges = []
         size = 0
-        for index in range(counted):
-            key = getattr(specs[index], "key", None) if isinstance(specs[index], TiedLayerSpec) else None
-            if key is not None and key not in tied_first:
-                tied_first[key] = index
-                offsets[key] = size
-                size += len(spec_parameters(specs[index]))
-        for index in range(counted):
-            if not isinstance(specs[index], TiedLayerSpec):
-                offsets[index] = size
-                size += len(spec_parameters(specs[index]))
-        return cls(offsets, size, tied_first)
+        for s in range(len(parts) - 1):
+            begin = size
+            layers = range(parts[s], parts[s + 1])
+            for index in layers:
+                key = specs[index].key if isinstance(specs[index], TiedLayerSpec) else None
+                if key is not None and key not in tied_first:
+                    tied_first[key] = index
+                    offsets[key] = size
+                    size += len(spec_parameters(specs[index]))
+            for index in layers:
+                if not isinstance(specs[index], TiedLayerSpec):
+                    offsets[index] = size
+                    size += len(spec_parameters(specs[index]))
+            ranges.append((begin, size))
+        return cls(offsets, size, tied_first, tuple(ranges))
 
-    def contribution(self, module: Any, writes: bool) -> torch.Tensor:
-        """This worker's part of the vector (all zeros unless ``writes``: its stage's first replica)."""
+    def contribution(self, module: Any, writes: bool,
+                     grad_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None) -> torch.Tensor:
+        """This worker's part of the vector (all zeros unless ``writes``: its stage's first replica); ``grad_of``:
+        where a parameter's gradient is (its fp32 master's in bf16; default ``p.grad``)."""
         out = torch.zeros(2 * self.size)
         if not writes:
             return out
@@ -159,14 +175,16 @@ class NormLayout:
                 held.append((self.offsets[index], layer))
         for at, layer in held:
             for k, p in enumerate(q for q in layer.parameters() if q.requires_grad):
-                if p.grad is not None:
-                    out[at + k] = p.grad.data.detach().float().norm(2.0)
+                grad = p.grad if grad_of is None else grad_of(p)
+                if grad is not None:
+                    out[at + k] = grad.detach().float().norm(2.0)
                     out[self.size + at + k] = 1.0
         return out
 
-    def total(self, reduced: torch.Tensor) -> torch.Tensor:
-        """The squared norm from the all-reduced vector."""
-        norms, present = reduced[:self.size], reduced[self.size:]
+    def total(self, reduced: torch.Tensor, stage: int | None = None) -> torch.Tensor:
+        """The squared norm from the all-reduced vector: of every entry, or of ``stage``'s range."""
+        begin, end = (0, self.size) if stage is None else self.ranges[stage]
+        norms, present = reduced[begin:end], reduced[self.size + begin:self.size + end]
         kept = norms[present > 0]
         if kept.numel() == 0:
             return torch.zeros(1)
@@ -232,10 +250,10 @@ class StaggeredOptimizer:
         self.norm_params = norm_params
         """Stage 0 holding more than its own layers (re-partitioned): the parameters of its own layers, the ones
         DeepSpeed's first-stage norm counts (None: all of the stage's)."""
-        self.norm_layout = norm_layout if scope is ClipScope.FIRST_STAGE else None
-        """Set while the first stage's layers of the job's own partition are not all on stage 0 (re-partitioned):
-        the first-stage norm is then gathered per parameter from wherever its layers are
-        (:class:`NormLayout`)."""
+        self.norm_layout = norm_layout
+        """Set while the counted layers of the job's own partition are not where it has them (re-partitioned; with
+        ``FIRST_STAGE`` only while some of stage 0's are elsewhere): the norm is then gathered per parameter from
+        wherever the layers are (:class:`NormLayout`)."""
 
     # Communication, through the transport.
     def _net(self) -> Transport:
@@ -501,12 +519,7 @@ class StaggeredOptimizer:
             self._stepped(_Pending(iteration, None, torch.zeros(1)), torch.zeros(1))
             return
         if self.norm_layout is not None:
-            contribution = self.norm_layout.contribution(self.module, self.representative)
-            work = self._all_reduce_norm(contribution)
-            pending = _Pending(iteration, None, contribution)
-            self._wait(work)
-            pending.norm, pending.clipped = self._clip_and_step(self._coefficient(self.norm_layout.total(contribution)))
-            self._stepped(pending, contribution)
+            self._step_by_layout(iteration, self.norm_layout)
             return
         local_sq = self._stage_sq() if self.counts else torch.zeros(1)
         if self.scope is ClipScope.FIRST_STAGE:
@@ -532,6 +545,30 @@ class StaggeredOptimizer:
             pending.norm, pending.clipped = self._clip_and_step(self._coefficient(contribution))
         self._stepped(pending, kept)
 
+    def _step_by_layout(self, iteration: int, layout: NormLayout) -> None:
+        """The step while layers are not where the job's own partition has them: the counted parameters' norms are
+        gathered per parameter (:class:`NormLayout`), then summed as each stage sums its own. With ``WHOLE_MODEL``
+        each stage's first replica then takes part in the usual all-reduce of the stage sums, so the norm is the
+        very number the unmoved job computes. Keeps what it contributed to both exchanges (one vector)."""
+        vector = layout.contribution(self.module, self.representative, self.holder_grad)
+        kept = vector.clone()
+        self._wait(self._all_reduce_norm(vector))
+        if self.scope is ClipScope.FIRST_STAGE:
+            pending = _Pending(iteration, None, kept)
+            pending.norm, pending.clipped = self._clip_and_step(self._coefficient(layout.total(vector)))
+            self._stepped(pending, kept)
+            return
+        local_sq = layout.total(vector, self.stage) if self.representative else torch.zeros(1)
+        kept = torch.cat([kept, local_sq])
+        self._wait(self._all_reduce_norm(local_sq))
+        pending = _Pending(iteration, None, kept)
+        pending.norm, pending.clipped = self._clip_and_step(self._coefficient(local_sq))
+        self._stepped(pending, kept)
+
+    def holder_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s reduced gradient (on its fp32 master in bf16)."""
+        return self.holder(param).grad
+
     def _stepped(self, pending: _Pending, contribution: torch.Tensor) -> None:
         self._pending = pending
         self._unreduced = None
@@ -552,6 +589,9 @@ class StaggeredOptimizer:
             raise RuntimeError(f"no clipping-norm contribution of iteration {iteration} here (held: "
                                f"{sorted(self._contributions)})")
         tensor = kept.clone()
+        if self.norm_layout is not None and self.scope is ClipScope.WHOLE_MODEL:  # the vector, then the stage sums
+            self._wait(self._all_reduce_norm(tensor[:-1].clone()))
+            tensor = tensor[-1:].clone()
         if self.scope is ClipScope.FIRST_STAGE and self.norm_layout is None:
             if self._source_work is not None:
                 self._wait(self._source_work)

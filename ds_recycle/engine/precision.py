@@ -52,6 +52,29 @@ class MasterWeightOptimizer:
         """The fp32 master of a module parameter (the parameter itself if it has none)."""
         return self._master_of.get(id(param), param)
 
+    def adopt(self, param: nn.Parameter, master: torch.Tensor) -> nn.Parameter:
+        """Take over a module parameter that arrived with its fp32 master's value (a layer moved here); returns the
+        new master (put it in a parameter group; :meth:`reorder` then restores the module order)."""
+        held = nn.Parameter(master.detach().float().clone(), requires_grad=param.requires_grad)
+        self.params.append(param)
+        self.masters.append(held)
+        self._master_of[id(param)] = held
+        return held
+
+    def drop(self, param: nn.Parameter) -> nn.Parameter | None:
+        """Forget a module parameter (its layer left this stage); returns its master (None: it had none)."""
+        held = self._master_of.pop(id(param), None)
+        if held is not None:
+            k = next(k for k, p in enumerate(self.params) if p is param)
+            del self.params[k], self.masters[k]
+        return held
+
+    def reorder(self, params: list[nn.Parameter]) -> None:
+        """Keep :attr:`params` and :attr:`masters` in the order of ``params`` (the module's trainable parameters),
+        as an optimizer built on the module would: the state dict lists the masters in that order."""
+        self.params = [p for p in params if id(p) in self._master_of]
+        self.masters = [self._master_of[id(p)] for p in self.params]
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_recycle.events import FailureEvent, RejoinEvent
+from ds_recycle.events import FailureEvent, RejoinEvent, RepartitionEvent
 from tests.byom.harness import (
     BYOM,
     RUN_TIMEOUT_S,
@@ -189,7 +189,9 @@ def test_bf16_trains_with_a_falling_loss_as_vanilla_deepspeed(vanilla: VanillaRu
 ])
 def test_bf16_with_a_sigkill_ends_as_without(variant: Path, tmp_path: Path, victim: int,
                                              launcher_args: tuple[str, ...], steps: int) -> None:
-    """A bf16 run with a worker SIGKILLed mid-run ends at the failure-free bf16 run's parameters (rtol 1e-5)."""
+    """A bf16 run with a worker SIGKILLed mid-run ends at the failure-free bf16 run's parameters, bit for bit; never
+    restarted, the tied GPT moves a block off the stage that lost it (the norm over every stage then gathered per
+    parameter: a change of it by 1e-4 fails this test)."""
     args = script_args("gpt", config="bf16", steps=steps)
     with start_ds_recycle(variant, args, tmp_path / "free", pythonpath=(BYOM,)) as job:
         free = job.result(RUN_TIMEOUT_S).check()
@@ -202,7 +204,9 @@ def test_bf16_with_a_sigkill_ends_as_without(variant: Path, tmp_path: Path, vict
     if launcher_args:
         assert killed.events(RejoinEvent), killed.log[-3000:]
     assert killed.losses() == pytest.approx(free.losses(), rel=1e-5)
-    assert_same_final(killed.final, free.final)
+    if not launcher_args:  # a lasting failure: a block left the first stage with its fp32 master and Adam state
+        assert [(e.before, e.after) for e in killed.events(RepartitionEvent)][:1] == [((0, 4, 8), (0, 3, 8))]
+    assert_same_final(killed.final, free.final, rtol=0.0)
 
 
 @pytest.mark.timeout(400)

@@ -28,7 +28,6 @@ def test_what_cannot_move_is_named() -> None:
     linear = LayerSpec(torch.nn.Linear, 2, 2)
     ok = SimpleNamespace(_layer_specs=[linear, torch.relu, linear], activation_checkpoint_interval=0)
     assert movable_reason(ok) is None
-    assert "bf16" in (movable_reason(ok, bf16=True) or "")
     tied = SimpleNamespace(_layer_specs=[TiedLayerSpec("emb", torch.nn.Linear, 2, 2), linear],
                            activation_checkpoint_interval=0)
     assert movable_reason(tied) is None  # the other layers move around it

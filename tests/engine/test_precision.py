@@ -86,3 +86,16 @@ def test_a_state_without_masters_is_refused() -> None:
     with pytest.raises(ValueError, match="no fp32 master weights"):
         optimizer.load_state_dict(torch.optim.Adam([nn.Parameter(torch.zeros(1))]).state_dict())
 
+
+
+def test_a_moved_layers_masters_are_adopted_dropped_and_kept_in_module_order() -> None:
+    a, b, c = (nn.Parameter(torch.full((2,), float(k), dtype=torch.bfloat16)) for k in range(3))
+    opt = MasterWeightOptimizer(torch.optim.SGD([a, c], lr=0.1), [a, c])
+    exact = torch.tensor([1.0009765625, 1.5], dtype=torch.float32)  # not a bf16 value: the master keeps its bits
+    master = opt.adopt(b, exact)
+    assert master.dtype == torch.float32 and torch.equal(master, exact) and opt.master_of(b) is master
+    opt.reorder([a, b, c])
+    assert opt.params == [a, b, c] and [m.data_ptr() for m in opt.masters] == [
+        opt.master_of(p).data_ptr() for p in (a, b, c)]
+    assert opt.drop(a) is not None and opt.drop(a) is None
+    assert opt.params == [b, c] and len(opt.masters) == 2 and opt.master_of(a) is a
