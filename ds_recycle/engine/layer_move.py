@@ -23,8 +23,13 @@ A ``TiedLayerSpec``'s module is shared by every stage that holds one of its laye
 :mod:`ds_recycle.engine.tied`): such layers never move (:func:`pinned_layers`; the partition chooser keeps them
 where they are, which for a GPT's tied embedding and head, the first and the last layer, costs nothing), and the
 other layers move around them. What cannot be moved at all is found before training (:func:`movable_reason`): a
-layer given as a built ``nn.Module`` (a receiver cannot rebuild it), activation checkpointing (segments are cut by
-local position).
+layer given as a built ``nn.Module`` (a receiver cannot rebuild it).
+
+Activation checkpointing moves too: a stage checkpoints segments of its own layers by local position, so a move
+changes which layers share a segment (DeepSpeed's list of which segments to checkpoint is computed again for the
+new layers), but recomputing a segment gives its forward's values whatever it holds
+(:mod:`ds_recycle.engine.recompute`; dropout draws from the layer's own stream, :class:`~ds_recycle.engine.rng.
+LayerSeeds`, reseeded by the layer's hook in the recompute too).
 """
 from __future__ import annotations
 
@@ -59,8 +64,6 @@ def movable_reason(module: Any) -> str | None:
         if isinstance(spec, nn.Module):
             return (f"layer {i} is a built {type(spec).__name__}, not a LayerSpec: a worker that receives it cannot "
                     f"rebuild it. Fix: give LayerSpec({type(spec).__name__}, ...) in the layer list")
-    if getattr(module, "activation_checkpoint_interval", 0) > 0:
-        return "activation checkpointing cuts segments by local position, which a move changes"
     return None
 
 
@@ -239,6 +242,9 @@ def _install(module: Any, layers: dict[int, Any], parts: tuple[int, ...], stage:
             module.add_module(str(i), layer)
     module.parts = list(parts)
     module._set_bounds(start=parts[stage], stop=parts[stage + 1])
+    if getattr(module, "activation_checkpoint_interval", 0) > 0:  # which segments checkpoint, for these layers
+        module.is_checkpointable_results_interval = None  # forward() zips its segments with this list: stale, it
+        module._precompute_checkpointable_values()  # would drop the layers past the old count
 
 
 def _order_groups(module: Any, optimizer: Any) -> None:

@@ -34,7 +34,7 @@ def test_what_cannot_move_is_named() -> None:
     built = SimpleNamespace(_layer_specs=[linear, torch.nn.Linear(2, 2)], activation_checkpoint_interval=0)
     assert "Fix: give LayerSpec(Linear, ...)" in (movable_reason(built) or "")
     checkpointed = SimpleNamespace(_layer_specs=[linear], activation_checkpoint_interval=1)
-    assert "activation checkpointing" in (movable_reason(checkpointed) or "")
+    assert movable_reason(checkpointed) is None  # segments are recut after a move
     assert "not a DeepSpeed PipelineModule" in (movable_reason(torch.nn.Linear(1, 1)) or "")
 
 

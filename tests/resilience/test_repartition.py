@@ -55,18 +55,20 @@ TIED_STEPS = 9
 
 
 @pytest.mark.timeout(400)
-def test_blocks_move_around_tied_embeddings_same_model(tmp_path: Path) -> None:
+def test_blocks_move_around_tied_embeddings_and_checkpointed_segments_same_model(tmp_path: Path) -> None:
     """A 2 x 2 GPT whose head shares the embedding table (``tie_embeddings``: layers [tied embedding, block, block,
-    LayerNorm, tied head], cut [0, 2, 5]); worker (1, 0) killed in iteration 1, never restarted: once the failure has
-    lasted 3 iterations the first block leaves stage 0, which keeps only the tied embedding (the clipping norm then
-    gathers the block's from stage 1, the table's first). The tied layers stay where they are; the final parameters
-    are the failure-free run's, bit for bit."""
+    LayerNorm, tied head], cut [0, 2, 5]), every layer a checkpointed segment; worker (1, 0) killed in iteration 1,
+    never restarted: once the failure has lasted 3 iterations the first block leaves stage 0, which keeps only the
+    tied embedding (the clipping norm then gathers the block's from stage 1, the table's first), and stage 1 runs
+    four segments where it had three. The tied layers stay where they are; the final parameters are the failure-free
+    run's, bit for bit."""
     model = {"vocab_size": 256, "seq_len": 32, "n_layer": 2, "d_model": 64, "n_head": 4, "tie_embeddings": True}
     runs = {}
     for name, kills in [("free", []), ("killed", ["--kill", "1:0@1:forward"])]:
         config = tiny_config(tmp_path, name, 2, 2, model=model, failure_timeout_s=60.0)
         job_config = json.loads(config.read_text())
-        config.write_text(json.dumps({**job_config, "gradient_clipping": 0.05}))  # every step clips: the norm counts
+        config.write_text(json.dumps({**job_config, "gradient_clipping": 0.05,  # every step clips: the norm counts
+                                      "pipeline": {"activation_checkpoint_interval": 1}}))
         out, metrics = tmp_path / f"{name}.pt", tmp_path / f"{name}.jsonl"
         job = launch(4, ["--deepspeed_config", str(config), "--steps", str(TIED_STEPS), "--save-final", str(out),
                          "--metrics", str(metrics), *kills], timeout=300)
