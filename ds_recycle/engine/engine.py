@@ -49,7 +49,15 @@ from ds_recycle.engine.backward import (
 )
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
-from ds_recycle.engine.layer_move import Transfer, held_layers, movable_reason, move_layers, pinned_layers
+from ds_recycle.engine.layer_move import (
+    PendingMove,
+    Transfer,
+    held_layers,
+    install_layers,
+    movable_reason,
+    pinned_layers,
+    receive_layers,
+)
 from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs, timed_kind
 from ds_recycle.engine.optimizer import ClipScope, NormLayout, StaggeredOptimizer, StepOutcome
 from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
@@ -172,6 +180,8 @@ class RecyclePipelineEngine(PipelineEngine):
         """The layer boundaries the job was built with (DeepSpeed's ``PipelineModule.parts``)."""
         self.layers_fixed: str | None = movable_reason(self.module)
         """Why this job's layers cannot move between stages (None: they can; :meth:`repartition`)."""
+        self.pending_move: PendingMove | None = None
+        """A layer move received and not installed (:meth:`repartition`); None almost always."""
         self.pinned_layers: dict[int, int] = pinned_layers(self.module, self.base_parts)
         """Layers that stay on their stage when the others move (``TiedLayerSpec``): ``layer -> stage``."""
         self._first_stage_layout: NormLayout | None = None
@@ -355,10 +365,16 @@ class RecyclePipelineEngine(PipelineEngine):
         self.layer_seeds = LayerSeeds(self.rng_seed, self.device)
         self.layer_seeds.attach(held_layers(self.module))
 
-    def repartition(self, plan: PlanLike) -> list[Transfer]:
+    def repartition(self, plan: PlanLike, between: Callable[[str], None] | None = None) -> list[Transfer]:
         """Move layers to ``plan``'s partition and run ``plan`` from the next iteration on (every live worker calls
         it at the same iteration boundary; it finishes the last step first; :mod:`ds_recycle.engine.layer_move`).
-        Returns the layer transfers."""
+        Returns the layer transfers.
+
+        The transfers, then a barrier, then each worker installs its layers. A failure between the barrier's end on
+        one member and on another (a peer lost inside it) can leave some survivors moved and others not: the ones
+        not moved keep what they received (:attr:`pending_move`, reported in :meth:`position`) and the recovery
+        completes or drops it (:meth:`complete_move`, :meth:`drop_move`). ``between(point)`` is called with
+        ``"received"`` before the barrier and ``"agreed"`` after it (fault injection)."""
         parts = getattr(plan, "partition", None)
         if parts is None:
             parts = self.base_parts
@@ -370,16 +386,34 @@ class RecyclePipelineEngine(PipelineEngine):
         if len(parts) != self.num_stages + 1 or parts[-1] != len(self.module._layer_specs):
             raise ValueError(f"partition {list(parts)}: give {self.num_stages + 1} boundaries from 0 to "
                              f"{len(self.module._layer_specs)}")
-        moved = move_layers(self.module, self.optimizer, self.stage_id, parts, self.workers, self.global_rank,
-                            self.transport)
+        self.pending_move = receive_layers(self.module, self.optimizer, parts, self.workers, self.global_rank,
+                                           self.transport)
+        moved = self.pending_move.transfers
+        if between is not None:
+            between("received")
+        self.transport.barrier("layer move")  # every transfer done everywhere: all members change together
+        if between is not None:
+            between("agreed")
+        self.complete_move()
+        self.switch_plan(plan)
+        return moved
+
+    def complete_move(self) -> None:
+        """Install the layers of :attr:`pending_move` (received, not installed yet)."""
+        pending, self.pending_move = self.pending_move, None
+        if pending is None:
+            raise RuntimeError("no layer move to complete on this worker")
+        install_layers(self.module, self.optimizer, self.stage_id, pending)
         self.capture.close()
         per_owner = self.capture.per_owner
         self.capture = OwnerCapture(self.module)
         self.capture.per_owner = per_owner
         if self.layer_seeds is not None:
             self.layer_seeds.attach(held_layers(self.module))
-        self.switch_plan(plan)
-        return moved
+
+    def drop_move(self) -> None:
+        """Forget :attr:`pending_move`: the members stay on the partition they hold."""
+        self.pending_move = None
 
     def position(self) -> Position:
         """Where this worker stands (reported to the other members after a failure)."""
@@ -394,7 +428,8 @@ class RecyclePipelineEngine(PipelineEngine):
         in_flight = prog.iteration if not prog.stepped else prog.iteration + 1
         awaiting = prog.awaiting_norm and not prog.stepped and prog.iteration == self.iteration
         return Position(self.stage_id, stepped, in_flight, served,
-                        tuple(sorted(prog.w_done)) if not prog.stepped else (), held, awaiting)
+                        tuple(sorted(prog.w_done)) if not prog.stepped else (), held, awaiting, self.partition,
+                        () if self.pending_move is None else self.pending_move.parts)
 
     def keep_work(self, completing: bool) -> KeptWork:
         """What this worker keeps of the interrupted iteration (before a new epoch replaces its groups).

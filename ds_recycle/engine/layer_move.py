@@ -47,7 +47,8 @@ from ds_recycle.engine.transport import Transport
 from ds_recycle.plan.partition import Move, layer_moves
 from ds_recycle.runtime.grid import WorkerMap
 
-__all__ = ["movable_reason", "pinned_layers", "Transfer", "transfers", "move_layers", "held_layers", "spec_parameters"]
+__all__ = ["movable_reason", "pinned_layers", "PendingMove", "receive_layers", "install_layers", "Transfer", "transfers",
+           "move_layers", "held_layers", "spec_parameters"]
 
 _TAG = 7_000_000
 """Tags of the layer transfers (two a layer: its size, then its bytes), clear of the engine's own."""
@@ -132,11 +133,24 @@ def _unpack(data: torch.Tensor) -> dict[str, Any]:
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
 
-def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts: Sequence[int], workers: WorkerMap,
-                rank: int, transport: Transport) -> list[Transfer]:
-    """Re-partition this worker's part of the model to ``parts`` (every live worker calls it at once; see the
-    module docstring); returns the transfers, which go through the engine's ``transport`` (bounded waits under
-    ``ds-recycle launch``: a peer lost during a move is a failure like any other)."""
+@dataclass
+class PendingMove:
+    """A re-partition whose transfers are done on this worker and whose layers are not installed yet: what
+    :func:`receive_layers` hands to :func:`install_layers` once every member is known to have received."""
+
+    parts: tuple[int, ...]
+    """The partition moved to."""
+    transfers: list[Transfer]
+    received: dict[int, dict[str, Any]]
+    """Global layer index -> its payload, for the layers this worker takes over."""
+
+
+def receive_layers(module: Any, optimizer: Any, parts: Sequence[int], workers: WorkerMap, rank: int,
+                   transport: Transport) -> PendingMove:
+    """The transfers of a re-partition to ``parts`` (every live worker calls it at once; see the module docstring):
+    this worker's layers sent, its new ones received. Nothing of the module changes yet. The transfers go through the
+    engine's ``transport`` (bounded waits under ``ds-recycle launch``: a peer lost during a move is a failure like any
+    other). Raises ``ValueError`` before any transfer for a partition that moves a tied layer."""
     old = tuple(module.parts)
     parts = tuple(int(x) for x in parts)
     moves = layer_moves(old, parts)
@@ -165,20 +179,36 @@ def move_layers(module: Any, optimizer: torch.optim.Optimizer, stage: int, parts
     for work, _, dst in sends:
         if work is not None:
             transport.wait(work, f"layer transfer to rank {dst}")
-    transport.barrier("layer move")  # every transfer done everywhere: all members change together, or none
+    return PendingMove(parts, plan, received)
+
+
+def install_layers(module: Any, optimizer: Any, stage: int, pending: PendingMove) -> None:
+    """This worker holds ``pending``'s partition: its new layers rebuilt and loaded, the ones that left dropped."""
+    parts, received = pending.parts, pending.received
+    layers = held_layers(module)
     start, stop = parts[stage], parts[stage + 1]
     new: dict[int, Any] = {}
     for i in range(start, stop):
         if i in layers:
             new[i] = layers[i]
             continue
-        new[i] = _rebuild(module, i, received[i], optimizer)
-    for i, layer in layers.items():  # a tied module never leaves (refused above)
+        new[i] = _rebuild(module, i, received.get(i), optimizer)
+    for i, layer in layers.items():  # a tied module never leaves (refused by receive_layers)
         if not start <= i < stop and isinstance(layer, nn.Module):
             _forget(layer, optimizer)
     _install(module, new, parts, stage)
     _order_groups(module, optimizer)
-    return plan
+
+
+def move_layers(module: Any, optimizer: Any, stage: int, parts: Sequence[int], workers: WorkerMap, rank: int,
+                transport: Transport) -> list[Transfer]:
+    """:func:`receive_layers`, a barrier (every transfer done everywhere), :func:`install_layers`; returns the
+    transfers. The engine runs the three itself (:meth:`~ds_recycle.engine.engine.RecyclePipelineEngine.repartition`)
+    so that a failure between them leaves what it received for the recovery to settle."""
+    pending = receive_layers(module, optimizer, parts, workers, rank, transport)
+    transport.barrier("layer move")
+    install_layers(module, optimizer, stage, pending)
+    return pending.transfers
 
 
 def _rebuild(module: Any, index: int, payload: dict[str, Any] | None, optimizer: torch.optim.Optimizer) -> Any:

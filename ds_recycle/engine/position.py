@@ -54,6 +54,10 @@ class Position:
     awaiting: bool = False
     """It holds its stage's reduced (and tied-weight summed) gradients of ``in_flight`` and waited only for the
     clipping norm to step."""
+    partition: tuple[int, ...] = ()
+    """The layer boundaries it holds (DeepSpeed's ``PipelineModule.parts``)."""
+    pending: tuple[int, ...] = ()
+    """The partition of a layer move it received and did not install (a failure inside the move); () if none."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -65,7 +69,8 @@ class Position:
                    tuple((int(d), int(i)) for d, i in raw["served"]),
                    tuple((int(d), int(i)) for d, i in raw["w_done"]),
                    tuple((int(k), bool(g), bool(r), (int(mb[0]), int(mb[1]))) for k, g, r, mb in raw["logs"]),
-                   bool(raw["awaiting"]))
+                   bool(raw["awaiting"]), tuple(int(x) for x in raw["partition"]),
+                   tuple(int(x) for x in raw["pending"]))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,12 @@ class Phase(enum.Enum):
     """During the optimizer step, after the all-reduce."""
     IDLE = "idle"
     """At the start of the iteration, before the worker's first operation."""
+    LAYER_MOVE = "layer-move"
+    """In a re-partition at the start of the iteration, its layer transfers done, before the members agree the
+    move is complete (nobody installs it)."""
+    LAYER_MOVED = "layer-moved"
+    """In a re-partition at the start of the iteration, after the members agreed, before this worker installs its
+    layers (the others install theirs)."""
     JOIN_REQUEST = "join-request"
     """A restarted worker, just after it filed its join request (for these ``join-*`` phases the fault's
     iteration is the restart count of the life in which the worker dies)."""

@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -38,6 +38,7 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction
 
 from ds_recycle.config.job import JobConfig
 from ds_recycle.engine.engine import RecyclePipelineEngine
+from ds_recycle.engine.position import Position
 from ds_recycle.engine.state import cpu_state_dict, merge_in_layer_order
 from ds_recycle.events import (
     AgreementEvent,
@@ -89,7 +90,7 @@ from ds_recycle.resilience.rejoin import (
     wait_for_ticket,
     write_tickets,
 )
-from ds_recycle.resilience.repartition import Repartitioner, layer_costs_of
+from ds_recycle.resilience.repartition import Repartitioner, layer_costs_of, settle_move
 from ds_recycle.resilience.replan import Replanner
 from ds_recycle.resilience.salvage import Decision, decide
 from ds_recycle.resilience.speed import SpeedWatch
@@ -178,7 +179,7 @@ class FailureHandler:
         self.repartitioner = Repartitioner(
             rc.repartition, layer_costs_of(engine.module._layer_specs, engine.base_parts, costs, rc.repartition),
             engine.base_parts, cfg.micro_batches, {"optimizer": rc.optimizer_step, "memory_limit": rc.memory_limit},
-            store, keys.root, self._check_alive)
+            store, keys.root, self._check_alive, self._in_move)
         """Layers moved between stages while a failure lasts (:mod:`ds_recycle.resilience.repartition`)."""
         self.round = 0
         """The latest agreement round (membership epoch): one per failure handled."""
@@ -275,6 +276,25 @@ class FailureHandler:
         self.engine.run_iteration()
         self._note_recovered()
 
+    def _in_move(self, point: str) -> None:
+        """A layer move reached ``point`` (``received``, ``agreed``): where faults can be aimed."""
+        self.faults.fire(Phase.LAYER_MOVE if point == "received" else Phase.LAYER_MOVED)
+
+    def _settle_move(self, positions: Mapping[int, Position]) -> None:
+        """A failure inside a layer move: complete it here if some survivor installed it, else drop it."""
+        try:
+            action = settle_move(positions, self.job.rank)
+        except RuntimeError as e:
+            self._fall_back(e)
+        if action == "complete":
+            self.engine.complete_move()
+            logger.warning("layer move to %s completed in the recovery (another member had installed it)",
+                           list(self.engine.partition))
+        elif action == "drop":
+            self.engine.drop_move()
+            logger.warning("layer move dropped in the recovery (no member had installed it): staying on %s",
+                           list(self.engine.partition))
+
     def _check_alive(self) -> None:
         if self.job.watchdog.failed():
             raise PeerFailure("a member exited (seen while waiting at an iteration boundary)")
@@ -312,6 +332,7 @@ class FailureHandler:
         self._event(FailureEvent(lost_ranks=agreement.lost, lost_workers=tuple(
             job.workers.worker_of_rank(q) for q in agreement.lost), reason=detection.reason, epoch=agreement.epoch))
         self.members = agreement.members
+        self._settle_move(agreement.positions)
         self.state = HandlerState.REGROUPING
         epoch = regroup(job, agreement.epoch, agreement.members, "", self.rider)
         regrouped = time.time()

@@ -31,13 +31,14 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ds_recycle.config.schema import RepartitionConfig
 from ds_recycle.engine.layer_move import spec_parameters
+from ds_recycle.engine.position import Position
 from ds_recycle.events import Event, RepartitionEvent
 from ds_recycle.plan import CostModel, Plan
 from ds_recycle.plan.errors import PlanError
@@ -106,16 +107,34 @@ class Decision:
                    float(raw["planned_before"]), float(raw["planned_after"]), str(raw["why"]))
 
 
+def settle_move(positions: Mapping[int, Position], rank: int) -> str | None:
+    """What member ``rank`` does after a failure with a layer move it received and did not install: ``"complete"``
+    when some survivor holds that partition (it passed the move's barrier: every member had received its layers
+    then), ``"drop"`` when none does, None when it has no such move. Raises ``RuntimeError`` when the survivors
+    would still hold different partitions (cannot happen but by a bug: the job falls back)."""
+    held = {p.partition for p in positions.values()}
+    final = {q: p.pending if p.pending and p.pending in held else p.partition for q, p in positions.items()}
+    if len(set(final.values())) > 1:
+        raise RuntimeError(f"the survivors hold different layer partitions after a move: {final}")
+    mine = positions[rank].pending
+    if not mine:
+        return None
+    return "complete" if mine in held else "drop"
+
+
 class Repartitioner:
     """Every member's side of the protocol in the module docstring."""
 
     def __init__(self, cfg: RepartitionConfig, layers: LayerCosts, base: Partition, microbatches: int,
-                 plan_options: dict[str, Any], store: Any, root: str, wait_alive: Callable[[], None]) -> None:
+                 plan_options: dict[str, Any], store: Any, root: str, wait_alive: Callable[[], None],
+                 in_move: Callable[[str], None] | None = None) -> None:
         self.cfg, self.layers, self.base = cfg, layers, tuple(base)
         self.microbatches = microbatches
         self.plan_options = plan_options
         self.store, self.root = store, root
         self.wait_alive = wait_alive
+        self.in_move = in_move
+        """Called at the points of a move (``engine.repartition``'s ``between``: fault injection)."""
         """Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when a member is lost (checked while waiting)."""
         self._key: tuple[int, frozenset[tuple[int, int]], Partition] | None = None
         self._decide_at: int | None = None
@@ -169,7 +188,7 @@ class Repartitioner:
     def _move(self, engine: Any, plan: Any, parts: Partition, absent: frozenset[tuple[int, int]],
               decision: Decision) -> RepartitionEvent:
         started = time.monotonic()
-        moved = engine.repartition(plan)
+        moved = engine.repartition(plan, self.in_move)
         mine = [t for t in moved if t.dst == engine.global_rank]
         received = int(sum(self.layers.state_bytes[t.layer] for t in mine))
         event = RepartitionEvent(iteration=engine.iteration, before=parts, after=engine.partition,

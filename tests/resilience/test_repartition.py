@@ -125,6 +125,29 @@ def test_failures_after_a_move_are_survived_and_decided_again(
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize(("victim", "installed"), [("1:1@4:layer-move", False), ("0:1@4:layer-moved", True)],
+                         ids=["before-the-barrier", "after-the-barrier"])
+def test_a_failure_inside_a_move_is_survived(tmp_path: Path, reference: Callable[[int, int, int], Path], victim: str,
+                                             installed: bool) -> None:
+    """2 x 2, worker (1, 0) killed in iteration 0 for good: the members move a block off stage 0 before iteration 4,
+    and a second worker of stage 1 dies inside that move: with its layers received but before the members agree the
+    move is done (nobody installs it: the recovery drops what each received and the job stays on its partition), or
+    after they agreed (the others install it). Either way the job goes on and ends at the failure-free model."""
+    out, metrics = tmp_path / "final.pt", tmp_path / "metrics.jsonl"
+    job = launch(4, ["--deepspeed_config", str(tiny_config(tmp_path, "k", 2, 2, failure_timeout_s=60.0)),
+                     "--steps", str(STEPS), "--save-final", str(out), "--metrics", str(metrics),
+                     "--kill", "1:0@0:forward", "--kill", victim], timeout=300)
+    assert job.returncode == 0, job.output[-4000:]
+    events = [e for e in events_of(job.metrics(metrics), Event) if e.kind in ("failure", "repartition")]
+    assert [e.kind for e in events if e.kind == "failure"] == ["failure", "failure"], events
+    assert f"fault injection: killing this worker ({victim})" in job.output
+    moves = [(e.before, e.after) for e in events if isinstance(e, RepartitionEvent)]
+    assert (((0, 2, 4), (0, 1, 4)) in moves) is installed, events
+    assert ("layer move dropped in the recovery" in job.output) is not installed, job.output[-3000:]
+    assert_same_model(out, reference(2, 2, STEPS))
+
+
+@pytest.mark.timeout(400)
 def test_a_checkpoint_written_while_moved_is_the_jobs_own_partition(
         tmp_path: Path, reference: Callable[[int, int, int], Path]) -> None:
     """2 x 2, worker (1, 0) killed in iteration 1 and never restarted: the layers move before iteration 5, and the

@@ -9,8 +9,9 @@ import torch
 from deepspeed.pipe import LayerSpec
 
 from ds_recycle.config.schema import ConfigError, RepartitionConfig
+from ds_recycle.engine.position import Position
 from ds_recycle.plan import CostModel, PlanError
-from ds_recycle.resilience.repartition import Decision, Repartitioner, layer_costs_of
+from ds_recycle.resilience.repartition import Decision, Repartitioner, layer_costs_of, settle_move
 
 SPECS = [LayerSpec(torch.nn.Embedding, 10, 4), LayerSpec(torch.nn.Linear, 4, 4), torch.relu,
          LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 10)]
@@ -56,3 +57,25 @@ def test_a_move_must_save_more_than_its_transfer() -> None:
     assert not rep._pays(move, (0, 4, 5))[0]  # already there
     again = Decision.from_json(move.to_json())
     assert again == move
+
+
+def _at(partition: tuple[int, ...], pending: tuple[int, ...] = ()) -> Position:
+    return Position(0, 4, 5, (), (), (), False, partition, pending)
+
+
+def test_a_move_a_failure_interrupted_is_completed_if_anyone_installed_it_else_dropped() -> None:
+    old, new = (0, 2, 4), (0, 1, 4)
+    # a peer lost inside the move's barrier: rank 0 passed it and installed, ranks 2 and 3 did not
+    split = {0: _at(new), 2: _at(old, new), 3: _at(old, new)}
+    assert [settle_move(split, r) for r in (0, 2, 3)] == [None, "complete", "complete"]
+    # lost before anyone passed the barrier: everyone drops what it received
+    before = {0: _at(old, new), 2: _at(old, new), 3: _at(old)}
+    assert [settle_move(before, r) for r in (0, 2, 3)] == ["drop", "drop", None]
+    assert settle_move({0: _at(new), 2: _at(new)}, 0) is None  # lost after everyone installed
+    with pytest.raises(RuntimeError, match="different layer partitions"):
+        settle_move({0: _at(new), 2: _at(old)}, 0)
+
+
+def test_a_position_carries_its_partition_and_pending_move() -> None:
+    p = _at((0, 2, 4), (0, 1, 4))
+    assert Position.from_json(p.to_json()) == p
