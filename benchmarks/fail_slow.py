@@ -2,7 +2,7 @@
 failure-free run.
 
     .venv/bin/python benchmarks/fail_slow.py [--shape 4x4] [--microbatches 8] [--factors 1.5,2,3] \
-        [--slow-workers 1:1[,2:2]] [--from-step 4] [--steps 24] [--out FILE]
+        [--slow-workers 1:1[,2:2]] [--from-step 4] [--steps 24] [--blocks 16] [--out FILE]
 
 EMULATED ACCELERATORS (``benchmarks/emulated/``: F, B, W sleep the GPT-3 2.7B profile's time; a slow worker's
 sleeps are ``factor`` times longer from ``--from-step`` on, :func:`benchmarks.emulated.layers.set_slowdown`). Cases
@@ -11,10 +11,15 @@ ds_recycle (adaptive, under ``ds-recycle launch``) failure-free, with them, and 
 detection off. Reported: the median time per iteration, the slowdowns S0 (vanilla) and S1 (ds_recycle, once its
 plan assumes the slow worker) against their own failure-free runs, the share of the slowdown mitigated,
 (S0 - S1) / (S0 - 1), how many iterations detection took, the factors it found, and what the planner predicted.
+
+With ``--blocks N`` the model is ``N`` emulated GPT-3 2.7B blocks a stage (``benchmarks/repartition.py``'s) and
+ds_recycle may also move layers off the slow worker's stage (``recycle.repartition``, on by default): S1 is then
+measured after the move, and a case with re-partitioning off shows what re-routing alone keeps.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -27,8 +32,10 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.emulated.profiles import profile, write_profile  # noqa: E402
 from benchmarks.emulated_figure import DEFAULT_F_MS, Case, Result, f_ms_for, run_case  # noqa: E402
-from ds_recycle.events import PlanSwitchEvent  # noqa: E402
+from benchmarks.repartition import emulated_layers  # noqa: E402
+from ds_recycle.events import PlanSwitchEvent, RepartitionEvent  # noqa: E402
 from ds_recycle.plan import CostModel, PlanCache, make_plan  # noqa: E402
+from ds_recycle.plan.partition import balanced_partition, choose_partition  # noqa: E402
 
 
 def _median_between(res: Result, first: int, last: int | None = None) -> float:
@@ -46,6 +53,12 @@ def _switch_step(res: Result, after: int) -> int | None:
     return min(its) if its else None
 
 
+def _move_step(res: Result, after: int) -> int | None:
+    """The iteration at which the layers moved for the slow worker (None: they did not)."""
+    its = [e.iteration for e in res.events if isinstance(e, RepartitionEvent) and e.iteration >= after]
+    return min(its) if its else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="4x4")
@@ -54,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-workers", default="1:1", help="comma-separated P:S of the workers that turn slow")
     p.add_argument("--from-step", type=int, default=4)
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--blocks", type=int, default=0,
+                   help="emulated blocks a stage (layers can move); 0: one emulated layer a stage (they cannot)")
     p.add_argument("--workdir", default=str(REPO / "runs" / "fail-slow"))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -61,8 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     slow_workers = [(int(a) % pipelines, int(b) % stages) for a, b in
                     (w.split(":") for w in args.slow_workers.split(","))]
     work = Path(args.workdir).resolve()
-    pfile = write_profile(work / f"profile-{stages}x{pipelines}.json",
-                          profile("gpt3-2.7b", stages, pipelines, f_ms_for(DEFAULT_F_MS, stages, pipelines)))
+    f_ms = f_ms_for(DEFAULT_F_MS, stages, pipelines)
+    model: tuple[str, ...] = ()
+    moving = stay = ""
+    if args.blocks:
+        layers = emulated_layers(stages, args.blocks, f_ms, 3 * 4 * 8.0)
+        base = balanced_partition(layers, stages, [pipelines] * stages)
+        spec = work / f"layers-{stages}x{pipelines}.json"
+        spec.parent.mkdir(parents=True, exist_ok=True)
+        spec.write_text(json.dumps({**layers.to_json(), "parts": list(base)}))
+        pfile = work / f"costs-{stages}x{pipelines}.json"
+        pfile.write_text(json.dumps(layers.stage_costs(base).to_json()))
+        model = ("--layer-costs", str(spec))
+        moving = json.dumps({"repartition": {"layer_costs_file": str(spec)}})
+        stay = json.dumps({"repartition": {"enabled": False}})
+    else:
+        pfile = write_profile(work / f"profile-{stages}x{pipelines}.json", profile("gpt3-2.7b", stages, pipelines, f_ms))
     costs = CostModel.from_file(pfile)
     lines = [f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; load at start "
@@ -73,20 +102,29 @@ def main(argv: list[str] | None = None) -> int:
              "DeepSpeed 1F1B, slow from that step on. ds_recycle adaptive: 'found' = the steps after the plan switch "
              "that assumes the slow worker(s), 'all' = every slow step (detection included), 'no detect' = "
              "recycle.fail_slow off; S = slow / failure-free of the same system; mitigated = (S0 - S1) / (S0 - 1) "
-             "with S1 = found; planned = the planner's iteration time with the detected factors / without",
+             "with S1 = found (with --blocks: the steps after the layers moved, 'moved at' iterations after the first "
+             "slow step; 'no move' = re-partitioning off); planned = the planner's iteration time with the detected "
+             "factors / without (with --blocks: on the partition moved to)",
+             f"model: {f'{args.blocks} emulated GPT-3 2.7B blocks a stage' if args.blocks else 'one emulated layer a stage'}",
              f"{'factor':>6} {'van ff':>7} {'van slow':>8} {'S0':>6} {'rec ff':>7} {'found':>7} {'S1':>6} "
-             f"{'S1 all':>6} {'S no det':>8} {'found at':>8} {'factors':>16} {'planned':>7} {'mitigated':>9}"]
+             f"{'S1 all':>6} {'S no det':>8} {'found at':>8} {'moved at':>8} {'no move':>7} {'factors':>16} "
+             f"{'planned':>7} {'mitigated':>9}"]
     print("\n".join(lines), flush=True)
     for factor in (float(f) for f in args.factors.split(",")):
         slow = tuple((w, args.from_step, factor) for w in slow_workers)
-        cases = {"vanilla ff": Case("vanilla", "vanilla", "1f1b"),
-                 "vanilla slow": Case("vanilla slow", "vanilla", "1f1b", slow=slow),
-                 "recycle ff": Case("recycle", "recycle"),
-                 "recycle slow": Case("recycle slow", "recycle", slow=slow),
-                 "recycle no detect": Case("recycle slow, no detection", "recycle", slow=slow, fail_slow=False)}
+        cases = {"vanilla ff": Case("vanilla", "vanilla", "1f1b", model_args=model),
+                 "vanilla slow": Case("vanilla slow", "vanilla", "1f1b", slow=slow, model_args=model),
+                 "recycle ff": Case("recycle", "recycle", model_args=model, recycle_extra=moving),
+                 "recycle slow": Case("recycle slow", "recycle", slow=slow, model_args=model, recycle_extra=moving),
+                 "recycle no detect": Case("recycle slow, no detection", "recycle", slow=slow, fail_slow=False,
+                                           model_args=model, recycle_extra=stay)}
+        if args.blocks:
+            cases["recycle no move"] = Case("recycle slow, no move", "recycle", slow=slow, model_args=model,
+                                            recycle_extra=stay)
         res: dict[str, Result] = {}
         for name, case in cases.items():
-            ff = Case(case.name, case.engine, case.schedule, slow=tuple((w, args.from_step, 1.0) for w in slow_workers))
+            ff = Case(case.name, case.engine, case.schedule, slow=tuple((w, args.from_step, 1.0) for w in slow_workers),
+                      model_args=case.model_args, recycle_extra=case.recycle_extra)
             res[name] = run_case(case if case.slow else ff, stages, pipelines, args.microbatches, args.steps, 2, pfile,
                                  pfile, work / f"x{factor:g}-{name.replace(' ', '-')}")
             if not res[name].ok:
@@ -96,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         rec_ff = _median_between(res["recycle ff"], first)
         switched = _switch_step(res["recycle slow"], args.from_step)
         found = _median_between(res["recycle slow"], switched + 1) if switched is not None else float("nan")
+        moved = _move_step(res["recycle slow"], args.from_step) if args.blocks else None
+        if moved is not None:
+            found = _median_between(res["recycle slow"], moved + 1)
+        no_move = float("nan")
+        if "recycle no move" in res:
+            switched_nm = _switch_step(res["recycle no move"], args.from_step)
+            if switched_nm is not None:
+                no_move = _median_between(res["recycle no move"], switched_nm + 1) / rec_ff
         every = _median_between(res["recycle slow"], first)
         no_detect = _median_between(res["recycle no detect"], first)
         s0, s1 = van_slow / van_ff, found / rec_ff
@@ -104,13 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         factors = ",".join(f"{f:g}" for _, _, f in assumed[0]) if assumed else "-"
         planned = float("nan")
         if assumed:
-            slow_costs = costs.with_slow({(p_, s_): f for p_, s_, f in assumed[0]})
+            found_slow = {(p_, s_): f for p_, s_, f in assumed[0]}
             plans = PlanCache(stages, pipelines, args.microbatches, costs)
-            planned = (make_plan(stages, pipelines, args.microbatches, slow_costs).makespan
-                       / plans.time_per_iteration([]))
+            if args.blocks:
+                choice = choose_partition(layers, stages, pipelines, args.microbatches, [], base, slow=found_slow)
+                planned = choice.moved_iteration_s / plans.time_per_iteration([])
+            else:
+                planned = (make_plan(stages, pipelines, args.microbatches, costs.with_slow(found_slow)).makespan
+                           / plans.time_per_iteration([]))
         line = (f"{factor:>6g} {van_ff:>7.3f} {van_slow:>8.3f} {s0:>6.3f} {rec_ff:>7.3f} {found:>7.3f} {s1:>6.3f} "
                 f"{every / rec_ff:>6.3f} {no_detect / rec_ff:>8.3f} "
-                f"{'-' if switched is None else switched - args.from_step:>8} {factors:>16} {planned:>7.3f} "
+                f"{'-' if switched is None else switched - args.from_step:>8} "
+                f"{'-' if moved is None else moved - args.from_step:>8} {no_move:>7.3f} {factors:>16} {planned:>7.3f} "
                 f"{mitigated:>9.3f}")
         print(line, flush=True)
         lines.append(line)

@@ -141,19 +141,27 @@ def _boundary_ranges(stages: int, layers: int, pinned: Pinned | None) -> list[tu
     return ranges
 
 
-def _live_per_stage(failed: Iterable[Worker], stages: int, pipelines: int) -> list[int]:
-    return [pipelines - f for f in failures_per_stage(failed, stages, pipelines)]
+def _live_per_stage(failed: Iterable[Worker], stages: int, pipelines: int,
+                    slow: Mapping[Worker, float] | None = None) -> list[float]:
+    """Each stage's live capacity in workers: a live worker counts 1, a slow one ``1 / factor``."""
+    failed = frozenset(failed)
+    live: list[float] = [float(pipelines - f) for f in failures_per_stage(failed, stages, pipelines)]
+    for (p, s), factor in (slow or {}).items():
+        if (p, s) not in failed and factor > 0:
+            live[s] -= 1.0 - 1.0 / factor
+    return live
 
 
-def balanced_partition(costs: LayerCosts, stages: int, live: Sequence[int], pinned: Pinned | None = None) -> Partition:
+def balanced_partition(costs: LayerCosts, stages: int, live: Sequence[float],
+                       pinned: Pinned | None = None) -> Partition:
     """The contiguous partition minimising ``max_s work(s) / live[s]`` (ties: the smaller total of the
-    per-worker shares), exact, by dynamic programming over (stage, last layer): ``O(S L^2)``; ``pinned`` layers
-    stay on their stages."""
+    per-worker shares), exact, by dynamic programming over (stage, last layer): ``O(S L^2)``; ``live[s]`` is stage
+    ``s``'s capacity in workers (a slow worker counts less than 1); ``pinned`` layers stay on their stages."""
     n = costs.layers
     if not 1 <= stages <= n:
         raise PlanError(f"{stages} stages for {n} layers: need 1 <= stages <= layers")
-    if len(live) != stages or min(live) < 1:
-        raise PlanError(f"live replicas per stage {list(live)}: give {stages} counts, each at least 1")
+    if len(live) != stages or not min(live) > 0:
+        raise PlanError(f"live replicas per stage {list(live)}: give {stages} capacities, each above 0")
     for i, t in (pinned or {}).items():
         if not (0 <= i < n and 0 <= t < stages):
             raise PlanError(f"pinned layer {i} on stage {t}: the model has {n} layers on {stages} stages")
@@ -192,16 +200,16 @@ def balanced_partition(costs: LayerCosts, stages: int, live: Sequence[int], pinn
 
 
 def granularity_bound(costs: LayerCosts, stages: int, pipelines: int, failed: Iterable[Worker],
-                      pinned: Pinned | None = None) -> float:
+                      pinned: Pinned | None = None, slow: Mapping[Worker, float] | None = None) -> float:
     """Throughput kept at best against failure-free when layers can move: the failure-free heaviest worker's
     share over the heaviest share of the best partition of the live workers (no bubbles counted). With
     divisible work it is ``(S D - f) / (S D)``; whole layers make it lower."""
     failed = list(failed)
     full = balanced_partition(costs, stages, [pipelines] * stages, pinned)
-    live = _live_per_stage(failed, stages, pipelines)
+    live = _live_per_stage(failed, stages, pipelines, slow)
     parts = balanced_partition(costs, stages, live, pinned)
 
-    def heaviest(p: Partition, counts: Sequence[int]) -> float:
+    def heaviest(p: Partition, counts: Sequence[float]) -> float:
         return max(math.fsum(costs.work(i) for i in range(p[s], p[s + 1])) * pipelines / counts[s]
                    for s in range(stages))
 
@@ -290,9 +298,10 @@ def _neighbours(parts: Partition, pinned: Pinned | None) -> list[Partition]:
 def choose_partition(costs: LayerCosts, stages: int, pipelines: int, microbatches: int,
                      failed: Iterable[Worker], current: Sequence[int], *, horizon: int = 50,
                      timer: PlanTimer | None = None, memory_limit: int | None = None,
-                     pinned: Pinned | None = None) -> RepartitionChoice:
+                     pinned: Pinned | None = None, slow: Mapping[Worker, float] | None = None) -> RepartitionChoice:
     """The partition to train on while ``failed`` lasts, planned (see the module docstring); ``pinned`` layers
-    stay on their stages.
+    stay on their stages; ``slow`` workers (``worker -> factor``) count as ``1 / factor`` of a worker and every
+    candidate is planned with them slow.
 
     ``timer`` times a cost model for this failure set (default: the adaptive planner's ``make_plan``);
     :class:`~ds_recycle.plan.errors.StageLostError` when a stage has no live replica.
@@ -307,9 +316,9 @@ def choose_partition(costs: LayerCosts, stages: int, pipelines: int, microbatche
         from ds_recycle.plan.schedules import make_plan
 
         def timer(c: CostModel) -> float:
-            return make_plan(stages, pipelines, microbatches, c, failed,
+            return make_plan(stages, pipelines, microbatches, c.with_slow(slow or {}), failed,
                              memory_limit=memory_limit).time_per_iteration
-    live = _live_per_stage(failed, stages, pipelines)
+    live = _live_per_stage(failed, stages, pipelines, slow)
     seed = balanced_partition(costs, stages, live, pinned)
     timed: dict[Partition, float] = {current: timer(costs.stage_costs(current))}
     for cand in [seed, *_neighbours(seed, pinned), balanced_partition(costs, stages, [pipelines] * stages, pinned)]:
@@ -321,11 +330,14 @@ def choose_partition(costs: LayerCosts, stages: int, pipelines: int, microbatche
 
 
 def partitioned_plan(costs: LayerCosts, parts: Sequence[int], stages: int, pipelines: int, microbatches: int,
-                     failed: Iterable[Worker] = (), **options: Any) -> Plan:
-    """The planner's plan for the model cut at ``parts`` (``make_plan`` on :meth:`LayerCosts.stage_costs`),
-    carrying the partition (the plan format's ``partition``); ``options`` pass through to ``make_plan``."""
+                     failed: Iterable[Worker] = (), slow: Mapping[Worker, float] | None = None,
+                     **options: Any) -> Plan:
+    """The planner's plan for the model cut at ``parts`` (``make_plan`` on :meth:`LayerCosts.stage_costs`, with
+    ``slow`` workers), carrying the partition (the plan format's ``partition``); ``options`` pass through to
+    ``make_plan``."""
     from ds_recycle.plan.schedules import make_plan
 
     parts = check_partition(parts, costs.layers, stages)
-    plan = make_plan(stages, pipelines, microbatches, costs.stage_costs(parts), failed, **options)
+    plan = make_plan(stages, pipelines, microbatches, costs.stage_costs(parts).with_slow(slow or {}), failed,
+                     **options)
     return dataclasses.replace(plan, partition=parts)

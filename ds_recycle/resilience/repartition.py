@@ -16,6 +16,11 @@ Re-routing covers a failure at once; when it lasts, every live worker's work can
 3. Everyone calls ``engine.repartition(plan)`` at that boundary: the layers move from live holders and the new plan
    runs from that iteration on (:mod:`ds_recycle.engine.layer_move`).
 
+A worker found slow (``recycle.fail_slow``) is partial capacity: once the plan that assumes it has run
+``after_iterations`` iterations, the same choice runs with that worker counted as ``1 / factor`` of one (its stage
+keeps fewer layers), planned with it slow; when it is fast again the plan stops assuming it and the choice, made
+again, moves the layers back.
+
 Before a restarted worker is admitted the members move back to the job's own partition (:meth:`restore`), which
 the joiner's module was built with; the joiner then takes its stage's state as usual. Before a checkpoint they
 move back too, so that its files are the job's own partition's (DeepSpeed's loader and any membership read them),
@@ -122,6 +127,12 @@ def settle_move(positions: Mapping[int, Position], rank: int) -> str | None:
     return "complete" if mine in held else "drop"
 
 
+def _slow(engine: Any) -> dict[tuple[int, int], float]:
+    """The workers the engine's running plan assumes slow, with their factors (fail-slow, ``recycle.fail_slow``)."""
+    costs = getattr(engine.plan, "costs", None)
+    return costs.slow_workers() if costs is not None else {}
+
+
 class Repartitioner:
     """Every member's side of the protocol in the module docstring."""
 
@@ -136,15 +147,18 @@ class Repartitioner:
         self.in_move = in_move
         """Called at the points of a move (``engine.repartition``'s ``between``: fault injection)."""
         """Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when a member is lost (checked while waiting)."""
-        self._key: tuple[int, frozenset[tuple[int, int]], Partition] | None = None
+        self._key: tuple[int, frozenset[tuple[int, int]], Partition, frozenset[tuple[int, int]]] | None = None
         self._decide_at: int | None = None
         """The boundary at which the current membership is decided (None: nothing to decide)."""
         self._stamps: list[float] = []
         self._thread: threading.Thread | None = None
         self._decision: Decision | None = None
 
-    def _membership(self, engine: Any, round_: int) -> tuple[int, frozenset[tuple[int, int]], Partition]:
-        return round_, frozenset(engine.workers.absent()), engine.partition
+    def _membership(self, engine: Any, round_: int) -> tuple[int, frozenset[tuple[int, int]], Partition,
+                                                              frozenset[tuple[int, int]]]:
+        """What a decision is for: the round, the absent workers, the partition held, the workers the running plan
+        assumes slow (their factors are read when the choice starts)."""
+        return round_, frozenset(engine.workers.absent()), engine.partition, frozenset(_slow(engine))
 
     def at_boundary(self, engine: Any, round_: int, members: Sequence[int]) -> list[Event]:
         """Run at every iteration boundary by every member (after ``finish_step``); returns the events."""
@@ -154,15 +168,16 @@ class Repartitioner:
         now = time.monotonic()
         if key != self._key:
             self._key, self._stamps, self._decision = key, [now], None
-            _, absent, parts = key
-            self._decide_at = engine.iteration + self.cfg.after_iterations if absent or parts != self.base else None
+            _, absent, parts, slow = key
+            self._decide_at = (engine.iteration + self.cfg.after_iterations if absent or slow or parts != self.base
+                               else None)
             if self._decide_at is not None and engine.global_rank == min(members):
-                self._thread = threading.Thread(target=self._choose, args=(engine, absent, parts), daemon=True,
-                                                name="ds-recycle-repartition")
+                self._thread = threading.Thread(target=self._choose, args=(engine, absent, parts, _slow(engine)),
+                                                daemon=True, name="ds-recycle-repartition")
                 self._thread.start()
             return []
         self._stamps.append(now)
-        _, absent, parts = key
+        _, absent, parts, _ = key
         if engine.iteration != self._decide_at:
             return []
         self._decide_at = None
@@ -200,14 +215,17 @@ class Repartitioner:
         self._decide_at = None  # decided: the next membership change decides again
         return event
 
-    def _choose(self, engine: Any, absent: frozenset[tuple[int, int]], parts: Partition) -> None:
+    def _choose(self, engine: Any, absent: frozenset[tuple[int, int]], parts: Partition,
+                slow: dict[tuple[int, int], float]) -> None:
         S, D, M = engine.num_stages, engine.workers.pipelines, self.microbatches
         try:
             choice = choose_partition(self.layers, S, D, M, absent, parts, horizon=self.cfg.horizon,
-                                      memory_limit=self.plan_options.get("memory_limit"), pinned=engine.pinned_layers)
+                                      memory_limit=self.plan_options.get("memory_limit"), pinned=engine.pinned_layers,
+                                      slow=slow)
             plan = None
             if choice.partition != parts:
-                plan = partitioned_plan(self.layers, choice.partition, S, D, M, absent, **self.plan_options).to_json()
+                plan = partitioned_plan(self.layers, choice.partition, S, D, M, absent, slow,
+                                        **self.plan_options).to_json()
             self._decision = Decision(choice.partition, plan, choice.current_iteration_s, choice.moved_iteration_s,
                                       choice.describe())
         except Exception as e:  # a decision that cannot be made is "stay", said once

@@ -141,3 +141,18 @@ def test_plan_carries_its_partition_and_rule_8_checks_it() -> None:
         Plan.from_json({**doc, "partition": [0, 5, 5, 12]})
     validate_plan(wrong)  # without the layers, rule 8 is not checked
     assert math.isfinite(plan.time_per_iteration)
+
+
+def test_a_slow_worker_counts_as_part_of_one_and_its_stage_keeps_fewer_layers() -> None:
+    """4 x 4, 16 layers a stage, worker (1, 1) twice as slow: stage 1 has 3.5 workers' capacity; the chosen
+    partition gives it fewer layers, and the plan (with the worker slow) beats staying."""
+    costs = LayerCosts.uniform(64, f=1 / 16, b=1 / 16, w=1 / 16, state_bytes=1.0, bandwidth=100.0)
+    base = even_partition(64, 4)
+    parts = balanced_partition(costs, 4, [4.0, 3.5, 4.0, 4.0])
+    assert parts[2] - parts[1] < 16 and parts != base
+    choice = choose_partition(costs, 4, 4, 8, [], base, horizon=20, slow={(1, 1): 2.0})
+    assert choice.pays and choice.partition[2] - choice.partition[1] < 16
+    slow_costs = costs.stage_costs(base).with_slow({(1, 1): 2.0})
+    assert choice.current_iteration_s == make_plan(4, 4, 8, slow_costs).time_per_iteration
+    assert choice.moved_iteration_s < choice.current_iteration_s
+    assert granularity_bound(costs, 4, 4, [], slow={(1, 1): 2.0}) > granularity_bound(costs, 4, 4, [(1, 1)])

@@ -1,5 +1,6 @@
 """Fail-slow end to end: a worker made slow (``--slow``) is found within the detector's bound, the plan moves some of
-its micro-batches to its stage's peers, the worker is found normal again when it speeds up and the plan goes back;
+its micro-batches to its stage's peers, then a layer of its stage to the other stage, the worker is found normal again
+when it speeds up and the plan and the layer go back;
 the job ends at the failure-free model bit for bit. Timing noise alone never changes the plan (emulated
 accelerators, whose op times are sleeps, with +-20% jitter on every op)."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from ds_recycle.events import FailureEvent, PlanSwitchEvent, SlowWorkerEvent, events_of  # noqa: E402
+from ds_recycle.events import FailureEvent, PlanSwitchEvent, RepartitionEvent, SlowWorkerEvent, events_of  # noqa: E402
 from tests.harness import assert_same_model, launch, tiny_config  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess]
@@ -45,7 +46,13 @@ def test_slow_worker_found_planned_around_and_back_same_model(tmp_path: Path,
     switches = {e.iteration: e for e in events_of(records, PlanSwitchEvent)}
     assert (1, 1, slow.factor) in switches[slow.iteration].slow and switches[slow.iteration].rerouted > 0
     assert all(w[:2] != (1, 1) for w in switches[fast.iteration].slow)
-    print(f"found slow at {slow.iteration} ({slow.ratio:.2f}x), normal again at {fast.iteration}")
+    # the slow worker is partial capacity: its stage hands a block to the other stage once the plan that assumes it
+    # has lasted (recycle.repartition: 3 iterations), and takes it back once the plan stops assuming it
+    moves = [(e.iteration, e.before, e.after) for e in events_of(records, RepartitionEvent)]
+    assert [(b, a) for _, b, a in moves] == [((0, 2, 4), (0, 3, 4)), ((0, 3, 4), (0, 2, 4))], moves
+    assert slow.iteration < moves[0][0] < fast.iteration < moves[1][0], (moves, slow, fast)
+    print(f"found slow at {slow.iteration} ({slow.ratio:.2f}x), layers moved at {moves[0][0]}, normal again at "
+          f"{fast.iteration}, moved back at {moves[1][0]}")
     assert_same_model(out, reference(2, 3, STEPS))
 
 
