@@ -184,7 +184,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """A layer move received and not installed (:meth:`repartition`); None almost always."""
         self.pinned_layers: dict[int, int] = pinned_layers(self.module, self.base_parts)
         """Layers that stay on their stage when the others move (``TiedLayerSpec``): ``layer -> stage``."""
-        self._first_stage_layout: NormLayout | None = None
+        self._layout_cache: NormLayout | None = None
         self.layer_seeds: LayerSeeds | None = None
         """Per-layer random streams (:meth:`seed_per_layer`), or None: one stream per stage."""
         self.tied = tied_weights(self.module)
@@ -292,12 +292,12 @@ class RecyclePipelineEngine(PipelineEngine):
                 return None
         elif self.partition == self.base_parts:
             return None
-        if self._first_stage_layout is None:  # it depends on the job's own partition only
+        if self._layout_cache is None:  # it depends on the job's own partition only
             specs = self.module._layer_specs
-            self._first_stage_layout = (NormLayout.of_layers(specs, self.base_parts[1])
+            self._layout_cache = (NormLayout.of_layers(specs, self.base_parts[1])
                                         if self.clip_scope is ClipScope.FIRST_STAGE
                                         else NormLayout.of_stages(specs, self.base_parts))
-        return self._first_stage_layout
+        return self._layout_cache
 
     # ------------------------------------------------------------------ the hook surface (engine.driver)
     def attach_driver(self, driver: Driver) -> None:
