@@ -144,9 +144,9 @@ class Repartitioner:
         self.plan_options = plan_options
         self.store, self.root = store, root
         self.wait_alive = wait_alive
+        """Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when a member is lost (checked while waiting)."""
         self.in_move = in_move
         """Called at the points of a move (``engine.repartition``'s ``between``: fault injection)."""
-        """Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when a member is lost (checked while waiting)."""
         self._key: tuple[int, frozenset[tuple[int, int]], Partition, frozenset[tuple[int, int]]] | None = None
         self._decide_at: int | None = None
         """The boundary at which the current membership is decided (None: nothing to decide)."""
