@@ -1,0 +1,79 @@
+"""Which plans the engine would run can go over NCCL point-to-point as lowered today (engine/nccl_check.py).
+
+    .venv/bin/python benchmarks/nccl_plans.py [--out FILE]
+
+The sweep of ``benchmarks/plan_w_order.py`` (the plan cache the failure handler uses; shapes 2x2..4x4, M = S and
+2S, the three schedules, uniform and random costs, no, one and some pairs of failed workers): for each plan, whether
+every pair's messages are received in the order they are sent (FIFO matching without tags) and whether NCCL's wait
+model (a group of transfers completes once all of them are matched; compute between transfers splits groups) lets
+every worker finish. Static: no process, no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds_recycle.engine.nccl_check import NcclPlanError, check_order, check_waits, p2p_program  # noqa: E402
+from ds_recycle.plan import CostModel, PlanCache  # noqa: E402
+from ds_recycle.plan.errors import PlanError  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rng = random.Random(0)
+    count: Counter[tuple[str, str, str]] = Counter()
+    first: dict[tuple[str, str], str] = {}
+    began = time.perf_counter()
+    for stages, pipelines in [(2, 2), (2, 3), (3, 2), (3, 3), (4, 2), (4, 4)]:
+        workers = [(p_, s) for p_ in range(pipelines) for s in range(stages)]
+        failure_sets = [()] + [(w,) for w in workers] + list(itertools.combinations(workers, 2))[:10]
+        for m in (stages, 2 * stages):
+            for kind in ("uniform", "random"):
+                costs = CostModel.uniform(stages) if kind == "uniform" else CostModel(
+                    *(tuple(rng.uniform(lo, hi) for _ in range(stages)) for lo, hi in
+                      ((0.5, 2.0), (0.5, 2.0), (0.3, 1.5), (0.0, 1.0))), comm=0.05)
+                for schedule in ("1f1b", "zb-h1", "adaptive"):
+                    cache = PlanCache(stages, pipelines, m, costs, schedule=schedule)
+                    for failed in failure_sets:
+                        try:
+                            plan = cache.get(failed)
+                        except (PlanError, ValueError):
+                            continue
+                        program = p2p_program(plan)
+                        case = "failure-free" if not failed else "with failures"
+                        for name, check in (("order", check_order), ("waits", check_waits)):
+                            try:
+                                check(program)
+                                count[(schedule, case, name + " ok")] += 1
+                            except NcclPlanError as e:
+                                count[(schedule, case, name + " bad")] += 1
+                                first.setdefault((schedule, name),
+                                                 f"  {stages}x{pipelines} M={m} {kind} {schedule} failed "
+                                                 f"{list(failed)}: {str(e)[:300]}")
+    lines = [f"machine: 2-core CPU VM; static, no training; {time.perf_counter() - began:.0f} s; command: "
+             ".venv/bin/python benchmarks/nccl_plans.py",
+             f"{'schedule':<9} {'plans':<14} {'checked':>7} {'order ok':>8} {'no wait cycle':>13}"]
+    for schedule in ("1f1b", "zb-h1", "adaptive"):
+        for case in ("failure-free", "with failures"):
+            ok_o, bad_o = count[(schedule, case, "order ok")], count[(schedule, case, "order bad")]
+            ok_w = count[(schedule, case, "waits ok")]
+            lines.append(f"{schedule:<9} {case:<14} {ok_o + bad_o:>7} {ok_o:>8} {ok_w:>13}")
+    lines.append("first violation of each kind:")
+    lines += [first[k] for k in sorted(first)] or ["  none"]
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
