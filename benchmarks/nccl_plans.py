@@ -11,8 +11,6 @@ every worker finish. Static: no process, no GPU.
 from __future__ import annotations
 
 import argparse
-import itertools
-import random
 import sys
 import time
 from collections import Counter
@@ -20,45 +18,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.plan_sweep import sweep  # noqa: E402
 from ds_recycle.engine.nccl_check import NcclPlanError, check_order, check_waits, p2p_program  # noqa: E402
-from ds_recycle.plan import CostModel, PlanCache  # noqa: E402
-from ds_recycle.plan.errors import PlanError  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    rng = random.Random(0)
     count: Counter[tuple[str, str, str]] = Counter()
     first: dict[tuple[str, str], str] = {}
     began = time.perf_counter()
-    for stages, pipelines in [(2, 2), (2, 3), (3, 2), (3, 3), (4, 2), (4, 4)]:
-        workers = [(p_, s) for p_ in range(pipelines) for s in range(stages)]
-        failure_sets = [()] + [(w,) for w in workers] + list(itertools.combinations(workers, 2))[:10]
-        for m in (stages, 2 * stages):
-            for kind in ("uniform", "random"):
-                costs = CostModel.uniform(stages) if kind == "uniform" else CostModel(
-                    *(tuple(rng.uniform(lo, hi) for _ in range(stages)) for lo, hi in
-                      ((0.5, 2.0), (0.5, 2.0), (0.3, 1.5), (0.0, 1.0))), comm=0.05)
-                for schedule in ("1f1b", "zb-h1", "adaptive"):
-                    cache = PlanCache(stages, pipelines, m, costs, schedule=schedule)
-                    for failed in failure_sets:
-                        try:
-                            plan = cache.get(failed)
-                        except (PlanError, ValueError):
-                            continue
-                        program = p2p_program(plan)
-                        case = "failure-free" if not failed else "with failures"
-                        for name, check in (("order", check_order), ("waits", check_waits)):
-                            try:
-                                check(program)
-                                count[(schedule, case, name + " ok")] += 1
-                            except NcclPlanError as e:
-                                count[(schedule, case, name + " bad")] += 1
-                                first.setdefault((schedule, name),
-                                                 f"  {stages}x{pipelines} M={m} {kind} {schedule} failed "
-                                                 f"{list(failed)}: {str(e)[:300]}")
+    for swept in sweep(("1f1b", "zb-h1", "adaptive")):
+        program = p2p_program(swept.plan)
+        case = "failure-free" if not swept.failed else "with failures"
+        for name, check in (("order", check_order), ("waits", check_waits)):
+            try:
+                check(program)
+                count[(swept.schedule, case, name + " ok")] += 1
+            except NcclPlanError as e:
+                count[(swept.schedule, case, name + " bad")] += 1
+                first.setdefault((swept.schedule, name), f"  {swept.describe()}: {str(e)[:300]}")
     lines = [f"machine: 2-core CPU VM; static, no training; {time.perf_counter() - began:.0f} s; command: "
              ".venv/bin/python benchmarks/nccl_plans.py",
              f"{'schedule':<9} {'plans':<14} {'checked':>7} {'order ok':>8} {'no wait cycle':>13}"]

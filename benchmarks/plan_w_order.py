@@ -14,50 +14,31 @@ own costs and reports the iteration time against the plan's. No training runs.
 """
 from __future__ import annotations
 
-import itertools
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_recycle.plan import CostModel, PlanCache  # noqa: E402
+from benchmarks.plan_sweep import sweep  # noqa: E402
 from ds_recycle.plan.as_run import engine_orders, held_ws  # noqa: E402
-from ds_recycle.plan.errors import PlanError  # noqa: E402
 from ds_recycle.plan.simulator import simulate  # noqa: E402
 
 
 def main() -> int:
-    rng = random.Random(0)
     total, holding, examples, ratios = 0, 0, [], []
-    for stages, pipelines in [(2, 2), (2, 3), (3, 2), (3, 3), (4, 2), (4, 4)]:
-        workers = [(p, s) for p in range(pipelines) for s in range(stages)]
-        failure_sets = [()] + [(w,) for w in workers] + list(itertools.combinations(workers, 2))[:10]
-        for m in (stages, 2 * stages):
-            for kind in ("uniform", "random"):
-                costs = CostModel.uniform(stages) if kind == "uniform" else CostModel(
-                    *(tuple(rng.uniform(lo, hi) for _ in range(stages)) for lo, hi in
-                      ((0.5, 2.0), (0.5, 2.0), (0.3, 1.5), (0.0, 1.0))), comm=0.05)
-                for schedule in ("adaptive", "zb-h1", "1f1b"):
-                    cache = PlanCache(stages, pipelines, m, costs, schedule=schedule)  # what the engine runs
-                    for failed in failure_sets:
-                        try:
-                            plan = cache.get(failed)
-                        except (PlanError, ValueError):
-                            continue
-                        total += 1
-                        fuse_all = schedule == "1f1b"
-                        holds = held_ws(plan.workers, fuse_all)
-                        if not holds:
-                            continue
-                        holding += 1
-                        planned = simulate(plan.workers, plan.costs, optimizer=plan.optimizer).makespan
-                        run = simulate(engine_orders(plan.workers, fuse_all), plan.costs,
-                                       optimizer=plan.optimizer).makespan
-                        ratios.append(run / planned)
-                        if len(examples) < 5:
-                            examples.append(f"  {stages}x{pipelines} M={m} {kind} {schedule} failed {list(failed)}: "
-                                            f"{holds} W held, {run / planned:.4f} of the planned time")
+    for swept in sweep():
+        plan = swept.plan
+        total += 1
+        fuse_all = swept.schedule == "1f1b"
+        holds = held_ws(plan.workers, fuse_all)
+        if not holds:
+            continue
+        holding += 1
+        planned = simulate(plan.workers, plan.costs, optimizer=plan.optimizer).makespan
+        run = simulate(engine_orders(plan.workers, fuse_all), plan.costs, optimizer=plan.optimizer).makespan
+        ratios.append(run / planned)
+        if len(examples) < 5:
+            examples.append(f"  {swept.describe()}: {holds} W held, {run / planned:.4f} of the planned time")
     print(f"plans made: {total}; in which the engine would hold some W: {holding}")
     print("\n".join(examples))
     if ratios:
