@@ -2,8 +2,9 @@
 
 A re-partition (:mod:`ds_recycle.plan.partition`) changes which contiguous layers each stage holds; every pipeline
 takes the same new partition, so each stage's replicas still hold the same layers and the data-parallel reduction
-stays per layer. :func:`move_layers` runs on every live worker at once, between two iterations (no micro-batch in
-flight, gradients reduced and the step finished):
+stays per layer. :func:`receive_layers`, a barrier, then :func:`install_layers` run on every live worker at once,
+between two iterations (no micro-batch in flight, gradients reduced and the step finished; the engine's
+``repartition`` runs the three):
 
 1. **Who sends what.** For each moved layer and each live worker of the stage that receives it, the sender is the
    worker of the same pipeline at the stage that held it, or, if that one is absent, the first live worker of that
@@ -48,7 +49,7 @@ from ds_recycle.plan.partition import Move, layer_moves
 from ds_recycle.runtime.grid import WorkerMap
 
 __all__ = ["movable_reason", "pinned_layers", "PendingMove", "receive_layers", "install_layers", "Transfer", "transfers",
-           "move_layers", "held_layers", "spec_parameters"]
+           "held_layers", "spec_parameters"]
 
 _TAG = 7_000_000
 """Tags of the layer transfers (two a layer: its size, then its bytes), clear of the engine's own."""
@@ -198,17 +199,6 @@ def install_layers(module: Any, optimizer: Any, stage: int, pending: PendingMove
             _forget(layer, optimizer)
     _install(module, new, parts, stage)
     _order_groups(module, optimizer)
-
-
-def move_layers(module: Any, optimizer: Any, stage: int, parts: Sequence[int], workers: WorkerMap, rank: int,
-                transport: Transport) -> list[Transfer]:
-    """:func:`receive_layers`, a barrier (every transfer done everywhere), :func:`install_layers`; returns the
-    transfers. The engine runs the three itself (:meth:`~ds_recycle.engine.engine.RecyclePipelineEngine.repartition`)
-    so that a failure between them leaves what it received for the recovery to settle."""
-    pending = receive_layers(module, optimizer, parts, workers, rank, transport)
-    transport.barrier("layer move")
-    install_layers(module, optimizer, stage, pending)
-    return pending.transfers
 
 
 def _rebuild(module: Any, index: int, payload: dict[str, Any] | None, optimizer: torch.optim.Optimizer) -> Any:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from ds_recycle.engine.layer_move import Transfer, movable_reason, move_layers, pinned_layers, transfers
+from ds_recycle.engine.layer_move import Transfer, movable_reason, pinned_layers, receive_layers, transfers
 from ds_recycle.plan.partition import layer_moves
 from ds_recycle.runtime.grid import WorkerMap
 
@@ -45,4 +45,4 @@ def test_tied_layers_are_pinned_and_a_partition_moving_one_is_refused_before_any
     module = SimpleNamespace(_layer_specs=specs, parts=[0, 3, 5], activation_checkpoint_interval=0)
     assert pinned_layers(module, (0, 3, 5)) == {0: 0, 2: 0, 4: 1}
     with pytest.raises(ValueError, match=r"moves tied layer\(s\) \[2\]"):  # raised before any transfer
-        move_layers(module, None, 0, (0, 2, 5), WorkerMap.dense(2, 1, frozenset()), 0, None)  # type: ignore[arg-type]
+        receive_layers(module, None, (0, 2, 5), WorkerMap.dense(2, 1, frozenset()), 0, None)  # type: ignore[arg-type]
