@@ -89,7 +89,7 @@ def test_moves_and_their_time() -> None:
 def test_choose_partition_moves_when_it_pays_and_is_planned() -> None:
     costs = LayerCosts.uniform(64, f=1 / 16, b=1 / 16, w=1 / 16, state_bytes=1.0, bandwidth=100.0)
     base = even_partition(64, 4)
-    choice = choose_partition(costs, 4, 4, 8, [(0, 1)], base, horizon=20)
+    choice = choose_partition(costs, 4, 4, 8, [(0, 1)], base, horizon=20, climb=0)
     assert choice.pays and choice.partition != base
     assert choice.moved_iteration_s < choice.current_iteration_s
     stay = make_plan(4, 4, 8, costs.stage_costs(base), [(0, 1)]).time_per_iteration
@@ -100,7 +100,7 @@ def test_choose_partition_moves_when_it_pays_and_is_planned() -> None:
     assert "move" in choice.describe()
     # a move whose transfer outweighs what it saves over the horizon does not pay
     slow_link = dataclasses.replace(costs, bandwidth=1e-6)
-    assert not choose_partition(slow_link, 4, 4, 8, [(0, 1)], base, horizon=20).pays
+    assert not choose_partition(slow_link, 4, 4, 8, [(0, 1)], base, horizon=20, climb=0).pays
     # failure-free on the job's own partition: nothing to gain
     assert not choose_partition(costs, 4, 4, 8, [], base).pays
     # back from a re-partition once the worker rejoined
@@ -155,4 +155,6 @@ def test_a_slow_worker_counts_as_part_of_one_and_its_stage_keeps_fewer_layers() 
     slow_costs = costs.stage_costs(base).with_slow({(1, 1): 2.0})
     assert choice.current_iteration_s == make_plan(4, 4, 8, slow_costs).time_per_iteration
     assert choice.moved_iteration_s < choice.current_iteration_s
+    first = choose_partition(costs, 4, 4, 8, [], base, horizon=20, slow={(1, 1): 2.0}, climb=0)
+    assert choice.moved_iteration_s < first.moved_iteration_s and choice.candidates > first.candidates
     assert granularity_bound(costs, 4, 4, [], slow={(1, 1): 2.0}) > granularity_bound(costs, 4, 4, [(1, 1)])
