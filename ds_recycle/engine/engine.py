@@ -114,6 +114,13 @@ def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset
     return frozenset(served.get(worker, set())), any(len(v) > 1 for v in served.values())
 
 
+def _timing_event() -> Any:
+    """A timing event for the current stream of this worker's accelerator (the :class:`OpClock` of a GPU job)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().Event(enable_timing=True)
+
+
 def _detached(payload: Payload) -> Payload:
     return payload.detach() if isinstance(payload, torch.Tensor) else tuple(t.detach() for t in payload)
 
@@ -218,8 +225,8 @@ class RecyclePipelineEngine(PipelineEngine):
         """When set, the next ``train_batch`` runs only what is left of the interrupted iteration."""
         self.op_seconds: dict[str, list[float]] | None = None
         """When a dict, each executed instruction's time (:attr:`timer`) is appended under its class name."""
-        self.clock: OpClock | None = OpClock() if self.device.type == "cpu" else None
-        """This worker's F, B, W and O times (:mod:`ds_recycle.engine.op_clock`; CPU devices only)."""
+        self.clock: OpClock | None = OpClock(events=None if self.device.type == "cpu" else _timing_event)
+        """This worker's F, B, W, O and receive times (:mod:`ds_recycle.engine.op_clock`)."""
         self.timer = DeviceTimer()
         """Times instructions on the thread that builds the engine and trains: wall time less run-queue waits."""
         self.throttle = 1.0
@@ -750,6 +757,7 @@ class RecyclePipelineEngine(PipelineEngine):
                     MethodType(handler, self)(**cmd.kwargs)
                     continue
                 start = self.timer.now()
+                mark = self.clock.begin() if kind is not None and self.clock is not None else None
                 MethodType(handler, self)(**cmd.kwargs)
                 seconds = max(0.0, self.timer.now() - start)
                 if self.throttle != 1.0 and kind is not None:  # an injected slow accelerator
@@ -758,13 +766,13 @@ class RecyclePipelineEngine(PipelineEngine):
                 if self.op_seconds is not None:
                     self.op_seconds[cmd.name].append(seconds)
                 if kind is not None and self.clock is not None:
-                    self.clock.record(kind, seconds)
+                    self.clock.end(kind, mark, seconds)
 
     def _timed_kind(self, cmd: Any) -> str | None:
         """The cost kind :attr:`clock` files a training instruction under (None: not timed)."""
         if self.clock is None or self._evaluating is not None:
             return None
-        return timed_kind(cmd, self._weights_pending)
+        return timed_kind(cmd, self._weights_pending, self.global_rank)
 
     def _weights_pending(self, buffer_id: int) -> bool:
         """Whether the micro-batch in ``buffer_id`` still has weight-gradient work (its W is a real W)."""

@@ -1,4 +1,4 @@
-"""The per-worker clock of F, B, W and O, and the costs per stage made from every worker's medians."""
+"""The per-worker clock of F, B, W, O and receives, and the costs per stage made from every worker's figures."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs
+from ds_recycle.engine import instructions as ins
+from ds_recycle.engine.op_clock import EVENT_ITERATIONS, KINDS, DeviceTimer, OpClock, stage_costs, timed_kind
 
 
 def test_medians_over_the_window_and_the_repaired_iteration_left_out() -> None:
@@ -29,12 +30,14 @@ def test_stage_costs_average_replicas_and_split_a_fused_backward() -> None:
         first.record(kind, value)
     second.record("F", 2.0)
     second.record("BW", 6.0)
+    for seconds in [0.5] + [3.0] * 9:  # the quickest tenth of receives: the transfer; the rest waited for a sender
+        second.record("R", seconds)
     first.end_iteration(1.0)
     second.end_iteration(1.0)
     rows[0] += first.as_row()
     rows[0] += first.as_row()  # two replicas of stage 0 measured the same
     rows[1] += second.as_row()
-    costs = stage_costs(rows, comm=0.5)
+    costs = stage_costs(rows)
     assert costs is not None
     assert (costs.F, costs.B, costs.W, costs.O, costs.comm) == ((1.0, 2.0), (2.0, 3.0), (3.0, 3.0), (4.0, 0.0), 0.5)
 
@@ -78,3 +81,54 @@ def test_device_timer_counts_sleeps_but_not_waits_for_a_core() -> None:
         assert 0.35 < timed < 0.6, f"timer {timed:.2f} s for 0.4 s of work ({wall:.2f} s wall)"
     finally:
         timer.close()
+
+
+def test_receives_from_peers_are_timed_and_a_repair_from_the_own_log_is_not() -> None:
+    def pending(_: int) -> bool:
+        return True
+
+    assert timed_kind(ins.RecvActivationFrom(buffer_id=0, micro_batch=(0, 0), peer=3), pending, rank=1) == "R"
+    assert timed_kind(ins.RecvGradFrom(buffer_id=0, micro_batch=(0, 0), peer=1), pending, rank=1) is None
+    assert timed_kind(ins.SendActivationTo(buffer_id=0, micro_batch=(0, 0), peer=3), pending, rank=1) is None
+
+
+class _Event:
+    """An accelerator timing event as the clock uses one (``record``, ``query``, ``elapsed_time`` in ms): its
+    device time is set when the test says the device got there."""
+
+    log: list[_Event] = []
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self.recorded = False
+
+    def record(self) -> None:
+        self.recorded = True
+        _Event.log.append(self)
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, end: _Event) -> float:
+        assert self.at is not None and end.at is not None, "read before the device passed both events"
+        return (end.at - self.at) * 1000.0
+
+
+def test_accelerator_events_are_read_once_passed_and_never_waited_for() -> None:
+    _Event.log = []
+    clock = OpClock(window=5, events=_Event)
+    assert clock.on_device
+    for kind in ("F", "B"):
+        clock.end(kind, clock.begin(), seconds=99.0)  # the host's reading is not the device's time
+    clock.end_iteration(1.0)
+    assert clock.medians() == {}, "the device has not run the iteration yet: nothing filed, nothing waited for"
+    for n, event in enumerate(_Event.log):
+        event.at = [0.0, 0.25, 0.25, 0.75][n]
+    clock.end("F", clock.begin(), seconds=99.0)
+    clock.end_iteration(2.0)
+    assert clock.medians() == {"F": 0.25, "B": 0.5} and clock.iteration_median() == 1.0
+    assert clock.pace() == 0.75
+    for _ in range(EVENT_ITERATIONS + 1):  # a device that never gets there: the clock keeps a bounded backlog
+        clock.end("F", clock.begin(), seconds=1.0)
+        clock.end_iteration(1.0)
+    assert clock.dropped == 2 and clock.medians() == {"F": 0.25, "B": 0.5}
