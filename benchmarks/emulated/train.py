@@ -42,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--jitter", type=float, default=0.0,
                         help="each emulated op time is scaled by a factor drawn from [1 - J, 1 + J] (seeded per rank)")
     parser.add_argument("--print-costs", action="store_true",
-                        help="ds_recycle: print the F, B, W, O the job measured per stage at the end (ms)")
+                        help="ds_recycle: print the F, B, W, O and transfer the job measured at the end (ms), the "
+                             "running plan's iteration under them and the measured median iteration")
     parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -114,8 +115,15 @@ def main() -> None:
     if args.print_costs and hasattr(engine, "measured_costs"):
         measured = engine.measured_costs()  # a collective: every rank
         if measured is not None and reporter():
-            print("measured costs (ms) " + json.dumps({k: [round(v * 1e3, 2) for v in getattr(measured, k)]
-                                                       for k in ("F", "B", "W", "O")}), flush=True)
+            from ds_recycle.plan.simulator import simulate
+
+            plan = engine.plan  # the plan running now, timed under the measured costs
+            planned = simulate(plan.workers, measured, optimizer=plan.optimizer).makespan / plan.iterations
+            iteration = engine.clock.iteration_median() if engine.clock is not None else None
+            print("measured costs (ms) " + json.dumps({
+                **{k: [round(v * 1e3, 2) for v in getattr(measured, k)] for k in ("F", "B", "W", "O")},
+                "comm": round(measured.comm * 1e3, 3), "planned": round(planned * 1e3, 1),
+                "iteration": None if iteration is None else round(iteration * 1e3, 1)}), flush=True)
     if profiler is not None:
         profiler.disable()
         os.makedirs(args.cprofile, exist_ok=True)
