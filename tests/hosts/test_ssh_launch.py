@@ -18,7 +18,8 @@ pytestmark = pytest.mark.multiprocess
 def test_ssh_2x2_over_a_slow_link_trains_the_one_host_model(nethosts: Callable[[int], NetHosts], tmp_path: Path,
                                                             reference_2x2: tuple[Path, Path]) -> None:
     """Node 0 starts node 1 over ssh; node 1's link is slowed (netem delay, or a tbf rate limit where the kernel
-    has no netem) well below the timeouts: no failure, and the final model is the one-host run's."""
+    has no netem) well below the timeouts: no failure (at most a switch to the plan for the measured costs), and the
+    final model is the one-host run's."""
     config, reference = reference_2x2
     hosts = nethosts(2)
     applied = hosts.slow(1, 50)  # every packet of host 1 50 ms late (netem), or its bandwidth 2 Mbit/s (tbf)
@@ -31,6 +32,10 @@ def test_ssh_2x2_over_a_slow_link_trains_the_one_host_model(nethosts: Callable[[
     assert "[ds-recycle launch node 1]" in node0  # node 1's launcher ran on host 1, its output came back over ssh
     recs = job.metrics()
     assert [r["iter"] for r in recs] == list(range(SHORT_STEPS)), applied
-    assert all(r["live_workers"] == 4 and not r["events"] for r in recs), (applied, recs)
+    assert all(r["live_workers"] == 4 for r in recs), (applied, recs)
+    # no failure; the one event allowed is the switch to a plan made for the costs the job measured (the slow link's
+    # transfers among them)
+    events = [e for r in recs for e in r["events"]]
+    assert all(e["kind"] == "plan_switch" and e["measured"] and not e["absent"] for e in events), (applied, events)
     assert_same_model(job.final_path, reference)
     assert len(hosts.pids(1)) == 1, "only host 1's sshd may be left: no launcher, no worker"
