@@ -2,7 +2,7 @@
 failure-free run.
 
     .venv/bin/python benchmarks/fail_slow.py [--shape 4x4] [--microbatches 8] [--factors 1.5,2,3] \
-        [--slow-workers 1:1[,2:2]] [--from-step 4] [--steps 24] [--blocks 16] [--out FILE]
+        [--slow-workers 1:1[,2:2]] [--from-step 4] [--steps 24] [--blocks 16] [--rounds 1] [--out FILE]
 
 EMULATED ACCELERATORS (``benchmarks/emulated/``: F, B, W sleep the GPT-3 2.7B profile's time; a slow worker's
 sleeps are ``factor`` times longer from ``--from-step`` on, :func:`benchmarks.emulated.layers.set_slowdown`). Cases
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--blocks", type=int, default=0,
                    help="emulated blocks a stage (layers can move); 0: one emulated layer a stage (they cannot)")
+    p.add_argument("--only", default=None,
+                   help="regex: run only the cases whose name matches (besides vanilla and recycle ff and slow, "
+                        "which every row needs); the others' columns read nan")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every case this many times, in alternating order: a row per round and the spread")
     p.add_argument("--workdir", default=str(REPO / "runs" / "fail-slow"))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -121,50 +127,64 @@ def main(argv: list[str] | None = None) -> int:
         if args.blocks:
             cases["recycle no move"] = Case("recycle slow, no move", "recycle", slow=slow, model_args=model,
                                             recycle_extra=stay)
-        res: dict[str, Result] = {}
-        for name, case in cases.items():
-            ff = Case(case.name, case.engine, case.schedule, slow=tuple((w, args.from_step, 1.0) for w in slow_workers),
-                      model_args=case.model_args, recycle_extra=case.recycle_extra)
-            res[name] = run_case(case if case.slow else ff, stages, pipelines, args.microbatches, args.steps, 2, pfile,
-                                 pfile, work / f"x{factor:g}-{name.replace(' ', '-')}")
-            if not res[name].ok:
-                raise SystemExit(f"{name} at factor {factor}: {res[name].note}")
-        first = args.from_step + 1
-        van_ff, van_slow = _median_between(res["vanilla ff"], first), _median_between(res["vanilla slow"], first)
-        rec_ff = _median_between(res["recycle ff"], first)
-        switched = _switch_step(res["recycle slow"], args.from_step)
-        found = _median_between(res["recycle slow"], switched + 1) if switched is not None else float("nan")
-        moved = _move_step(res["recycle slow"], args.from_step) if args.blocks else None
-        if moved is not None:
-            found = _median_between(res["recycle slow"], moved + 1)
-        no_move = float("nan")
-        if "recycle no move" in res:
-            switched_nm = _switch_step(res["recycle no move"], args.from_step)
-            if switched_nm is not None:
-                no_move = _median_between(res["recycle no move"], switched_nm + 1) / rec_ff
-        every = _median_between(res["recycle slow"], first)
-        no_detect = _median_between(res["recycle no detect"], first)
-        s0, s1 = van_slow / van_ff, found / rec_ff
-        mitigated = (s0 - s1) / (s0 - 1) if s0 > 1 else float("nan")
-        assumed = [e.slow for e in res["recycle slow"].events if isinstance(e, PlanSwitchEvent) and e.slow]
-        factors = ",".join(f"{f:g}" for _, _, f in assumed[0]) if assumed else "-"
-        planned = float("nan")
-        if assumed:
-            found_slow = {(p_, s_): f for p_, s_, f in assumed[0]}
-            plans = PlanCache(stages, pipelines, args.microbatches, costs)
-            if args.blocks:
-                choice = choose_partition(layers, stages, pipelines, args.microbatches, [], base, slow=found_slow)
-                planned = choice.moved_iteration_s / plans.time_per_iteration([])
-            else:
-                planned = (make_plan(stages, pipelines, args.microbatches, costs.with_slow(found_slow)).makespan
-                           / plans.time_per_iteration([]))
-        line = (f"{factor:>6g} {van_ff:>7.3f} {van_slow:>8.3f} {s0:>6.3f} {rec_ff:>7.3f} {found:>7.3f} {s1:>6.3f} "
-                f"{every / rec_ff:>6.3f} {no_detect / rec_ff:>8.3f} "
-                f"{'-' if switched is None else switched - args.from_step:>8} "
-                f"{'-' if moved is None else moved - args.from_step:>8} {no_move:>7.3f} {factors:>16} {planned:>7.3f} "
-                f"{mitigated:>9.3f}")
-        print(line, flush=True)
-        lines.append(line)
+        if args.only:
+            needed = ("vanilla ff", "vanilla slow", "recycle ff", "recycle slow")
+            cases = {k: c for k, c in cases.items() if k in needed or re.search(args.only, k)}
+        shares: list[float] = []
+        for round_ in range(args.rounds):  # cases alternate their order round by round
+            res: dict[str, Result] = {}
+            order = list(cases.items()) if round_ % 2 == 0 else list(reversed(cases.items()))
+            for name, case in order:
+                ff = Case(case.name, case.engine, case.schedule, slow=tuple((w, args.from_step, 1.0) for w in slow_workers),
+                          model_args=case.model_args, recycle_extra=case.recycle_extra)
+                res[name] = run_case(case if case.slow else ff, stages, pipelines, args.microbatches, args.steps, 2, pfile,
+                                     pfile, work / f"x{factor:g}-{name.replace(' ', '-')}"
+                                     + (f"-r{round_}" if args.rounds > 1 else ""))
+                if not res[name].ok:
+                    raise SystemExit(f"{name} at factor {factor}: {res[name].note}")
+            first = args.from_step + 1
+            van_ff, van_slow = _median_between(res["vanilla ff"], first), _median_between(res["vanilla slow"], first)
+            rec_ff = _median_between(res["recycle ff"], first)
+            switched = _switch_step(res["recycle slow"], args.from_step)
+            found = _median_between(res["recycle slow"], switched + 1) if switched is not None else float("nan")
+            moved = _move_step(res["recycle slow"], args.from_step) if args.blocks else None
+            if moved is not None:
+                found = _median_between(res["recycle slow"], moved + 1)
+            no_move = float("nan")
+            if "recycle no move" in res:
+                switched_nm = _switch_step(res["recycle no move"], args.from_step)
+                if switched_nm is not None:
+                    no_move = _median_between(res["recycle no move"], switched_nm + 1) / rec_ff
+            every = _median_between(res["recycle slow"], first)
+            no_detect = (_median_between(res["recycle no detect"], first) if "recycle no detect" in res
+                         else float("nan"))
+            s0, s1 = van_slow / van_ff, found / rec_ff
+            mitigated = (s0 - s1) / (s0 - 1) if s0 > 1 else float("nan")
+            assumed = [e.slow for e in res["recycle slow"].events if isinstance(e, PlanSwitchEvent) and e.slow]
+            factors = ",".join(f"{f:g}" for _, _, f in assumed[0]) if assumed else "-"
+            planned = float("nan")
+            if assumed:
+                found_slow = {(p_, s_): f for p_, s_, f in assumed[0]}
+                plans = PlanCache(stages, pipelines, args.microbatches, costs)
+                if args.blocks:
+                    choice = choose_partition(layers, stages, pipelines, args.microbatches, [], base, slow=found_slow)
+                    planned = choice.moved_iteration_s / plans.time_per_iteration([])
+                else:
+                    planned = (make_plan(stages, pipelines, args.microbatches, costs.with_slow(found_slow)).makespan
+                               / plans.time_per_iteration([]))
+            line = (f"{factor:>6g} {van_ff:>7.3f} {van_slow:>8.3f} {s0:>6.3f} {rec_ff:>7.3f} {found:>7.3f} {s1:>6.3f} "
+                    f"{every / rec_ff:>6.3f} {no_detect / rec_ff:>8.3f} "
+                    f"{'-' if switched is None else switched - args.from_step:>8} "
+                    f"{'-' if moved is None else moved - args.from_step:>8} {no_move:>7.3f} {factors:>16} {planned:>7.3f} "
+                    f"{mitigated:>9.3f}")
+            print(line, flush=True)
+            lines.append(line)
+            shares.append(mitigated)
+        if args.rounds > 1:
+            line = (f"factor {factor:g}: mitigated over {args.rounds} rounds: median {statistics.median(shares):.3f}, "
+                    f"min {min(shares):.3f}, max {max(shares):.3f}")
+            print(line, flush=True)
+            lines.append(line)
     lines.append("found at: iterations from the first slow step to the first step under the plan that assumes it")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

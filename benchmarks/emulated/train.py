@@ -119,7 +119,7 @@ def main() -> None:
 
             plan = engine.plan  # the plan running now, timed under the measured costs
             planned = simulate(plan.workers, measured, optimizer=plan.optimizer).makespan / plan.iterations
-            iteration = engine.clock.iteration_median() if engine.clock is not None else None
+            iteration = engine.clock.iteration_median()
             print("measured costs (ms) " + json.dumps({
                 **{k: [round(v * 1e3, 2) for v in getattr(measured, k)] for k in ("F", "B", "W", "O")},
                 "comm": round(measured.comm * 1e3, 3), "planned": round(planned * 1e3, 1),

@@ -225,7 +225,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """When set, the next ``train_batch`` runs only what is left of the interrupted iteration."""
         self.op_seconds: dict[str, list[float]] | None = None
         """When a dict, each executed instruction's time (:attr:`timer`) is appended under its class name."""
-        self.clock: OpClock | None = OpClock(events=None if self.device.type == "cpu" else _timing_event)
+        self.clock = OpClock(events=None if self.device.type == "cpu" else _timing_event)
         """This worker's F, B, W, O and receive times (:mod:`ds_recycle.engine.op_clock`)."""
         self.timer = DeviceTimer()
         """Times instructions on the thread that builds the engine and trains: wall time less run-queue waits."""
@@ -542,8 +542,8 @@ class RecyclePipelineEngine(PipelineEngine):
         self._exec_schedule(schedule)
         self._iteration_loss = self._losses.get(self.iteration) if self.is_reporter() else None
         self._share_loss()
-        if self.clock is not None:  # a repaired iteration's time includes the recovery: its instructions count
-            self.clock.end_iteration(None if repairing else time.perf_counter() - started)
+        # a repaired iteration's time includes the recovery: its instructions count
+        self.clock.end_iteration(None if repairing else time.perf_counter() - started)
         self.repair = None
         self.iteration += 1
         return self._iteration_loss
@@ -757,7 +757,7 @@ class RecyclePipelineEngine(PipelineEngine):
                     MethodType(handler, self)(**cmd.kwargs)
                     continue
                 start = self.timer.now()
-                mark = self.clock.begin() if kind is not None and self.clock is not None else None
+                mark = self.clock.begin() if kind is not None else None
                 MethodType(handler, self)(**cmd.kwargs)
                 seconds = max(0.0, self.timer.now() - start)
                 if self.throttle != 1.0 and kind is not None:  # an injected slow accelerator
@@ -765,12 +765,12 @@ class RecyclePipelineEngine(PipelineEngine):
                     seconds *= self.throttle
                 if self.op_seconds is not None:
                     self.op_seconds[cmd.name].append(seconds)
-                if kind is not None and self.clock is not None:
+                if kind is not None:
                     self.clock.end(kind, mark, seconds)
 
     def _timed_kind(self, cmd: Any) -> str | None:
         """The cost kind :attr:`clock` files a training instruction under (None: not timed)."""
-        if self.clock is None or self._evaluating is not None:
+        if self._evaluating is not None:
             return None
         return timed_kind(cmd, self._weights_pending, self.global_rank)
 
@@ -786,8 +786,7 @@ class RecyclePipelineEngine(PipelineEngine):
 
     def _gather_costs(self) -> CostModel | None:
         rows = torch.zeros(self.num_stages, len(KINDS), 2, dtype=torch.float64)
-        if self.clock is not None:
-            rows[self.stage_id] = self.clock.as_row()
+        rows[self.stage_id] = self.clock.as_row()
         self.transport.all_reduce_members(rows, "measured costs")
         return stage_costs(rows)
 

@@ -17,7 +17,7 @@ partition into the planner's :class:`CostModel`, so the planner itself times eve
 The choice (:func:`choose_partition`): the partition that minimises the heaviest live worker's share of the
 compute (each stage's layers' F + B + W over its live replicas), found exactly by dynamic programming, and the
 partitions one boundary step away from it, each planned by the real planner, then a bounded climb from the fastest
-of them (one or two boundaries a step at a time); the fastest plan wins. It moves
+of them (one to three boundaries a step at a time); the fastest plan wins. It moves
 when the time it saves over ``horizon`` iterations exceeds the move's transfer (:func:`move_seconds`).
 
 *Pinned* layers (``layer -> stage``) stay where they are in every partition considered: a ``TiedLayerSpec``'s

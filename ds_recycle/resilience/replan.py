@@ -86,7 +86,7 @@ class Replanner:
     def at_boundary(self, engine: Any) -> list[Event]:
         """Read the table posted at the last boundary, switch plans if it says so, post this boundary's row.
         Returns the events of the switches made."""
-        if not self.active or engine.clock is None or engine.repair is not None:
+        if not self.active or engine.repair is not None:
             return []
         events: list[Event] = []
         workers = engine.workers

@@ -90,8 +90,7 @@ class EngineRunner:
             return None
         plan = self.engine.plan
         planned = simulate(plan.workers, costs, optimizer=plan.optimizer).makespan / plan.iterations
-        clock = self.engine.clock
-        return CostReport(costs, planned, clock.iteration_median() if clock is not None else None)
+        return CostReport(costs, planned, self.engine.clock.iteration_median())
 
     def save_checkpoint(self, directory: str, next_iteration: int) -> None:
         if self.handler is None:
