@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 ff = Case(case.name, case.engine, case.schedule, slow=tuple((w, args.from_step, 1.0) for w in slow_workers),
                           model_args=case.model_args, recycle_extra=case.recycle_extra)
                 res[name] = run_case(case if case.slow else ff, stages, pipelines, args.microbatches, args.steps, 2, pfile,
-                                     pfile, work / f"x{factor:g}-{name.replace(' ', '-')}"
-                                     + (f"-r{round_}" if args.rounds > 1 else ""))
+                                     pfile, work / (f"x{factor:g}-{name.replace(' ', '-')}"
+                                                    + (f"-r{round_}" if args.rounds > 1 else "")))
                 if not res[name].ok:
                     raise SystemExit(f"{name} at factor {factor}: {res[name].note}")
             first = args.from_step + 1
