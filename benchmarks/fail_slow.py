@@ -39,7 +39,7 @@ from ds_recycle.plan import CostModel, PlanCache, make_plan  # noqa: E402
 from ds_recycle.plan.partition import balanced_partition, choose_partition  # noqa: E402
 
 
-def _median_between(res: Result, first: int, last: int | None = None) -> float:
+def median_between(res: Result, first: int, last: int | None = None) -> float:
     """Median seconds of the steps ``first..last`` (a step's time: from the previous step's end to its end)."""
     st = res.stamps
     times = [st[k] - st[k - 1] for k in sorted(st) if k >= max(first, 1) and (last is None or k <= last)
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             needed = ("vanilla ff", "vanilla slow", "recycle ff", "recycle slow")
             cases = {k: c for k, c in cases.items() if k in needed or re.search(args.only, k)}
         shares: list[float] = []
+        planned_for: dict[tuple[tuple[int, int, float], ...], float] = {}
         for round_ in range(args.rounds):  # cases alternate their order round by round
             res: dict[str, Result] = {}
             order = list(cases.items()) if round_ % 2 == 0 else list(reversed(cases.items()))
@@ -143,27 +144,29 @@ def main(argv: list[str] | None = None) -> int:
                 if not res[name].ok:
                     raise SystemExit(f"{name} at factor {factor}: {res[name].note}")
             first = args.from_step + 1
-            van_ff, van_slow = _median_between(res["vanilla ff"], first), _median_between(res["vanilla slow"], first)
-            rec_ff = _median_between(res["recycle ff"], first)
+            van_ff, van_slow = median_between(res["vanilla ff"], first), median_between(res["vanilla slow"], first)
+            rec_ff = median_between(res["recycle ff"], first)
             switched = _switch_step(res["recycle slow"], args.from_step)
-            found = _median_between(res["recycle slow"], switched + 1) if switched is not None else float("nan")
+            found = median_between(res["recycle slow"], switched + 1) if switched is not None else float("nan")
             moved = _move_step(res["recycle slow"], args.from_step) if args.blocks else None
             if moved is not None:
-                found = _median_between(res["recycle slow"], moved + 1)
+                found = median_between(res["recycle slow"], moved + 1)
             no_move = float("nan")
             if "recycle no move" in res:
                 switched_nm = _switch_step(res["recycle no move"], args.from_step)
                 if switched_nm is not None:
-                    no_move = _median_between(res["recycle no move"], switched_nm + 1) / rec_ff
-            every = _median_between(res["recycle slow"], first)
-            no_detect = (_median_between(res["recycle no detect"], first) if "recycle no detect" in res
+                    no_move = median_between(res["recycle no move"], switched_nm + 1) / rec_ff
+            every = median_between(res["recycle slow"], first)
+            no_detect = (median_between(res["recycle no detect"], first) if "recycle no detect" in res
                          else float("nan"))
             s0, s1 = van_slow / van_ff, found / rec_ff
             mitigated = (s0 - s1) / (s0 - 1) if s0 > 1 else float("nan")
             assumed = [e.slow for e in res["recycle slow"].events if isinstance(e, PlanSwitchEvent) and e.slow]
             factors = ",".join(f"{f:g}" for _, _, f in assumed[0]) if assumed else "-"
             planned = float("nan")
-            if assumed:
+            if assumed and assumed[0] in planned_for:  # rounds that assumed the same factors: planned once
+                planned = planned_for[assumed[0]]
+            elif assumed:
                 found_slow = {(p_, s_): f for p_, s_, f in assumed[0]}
                 plans = PlanCache(stages, pipelines, args.microbatches, costs)
                 if args.blocks:
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     planned = (make_plan(stages, pipelines, args.microbatches, costs.with_slow(found_slow)).makespan
                                / plans.time_per_iteration([]))
+                planned_for[assumed[0]] = planned
             line = (f"{factor:>6g} {van_ff:>7.3f} {van_slow:>8.3f} {s0:>6.3f} {rec_ff:>7.3f} {found:>7.3f} {s1:>6.3f} "
                     f"{every / rec_ff:>6.3f} {no_detect / rec_ff:>8.3f} "
                     f"{'-' if switched is None else switched - args.from_step:>8} "

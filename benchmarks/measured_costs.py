@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,15 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.emulated.profiles import profile, write_profile  # noqa: E402
-from benchmarks.emulated_figure import DEFAULT_F_MS, Case, Result, f_ms_for, run_case  # noqa: E402
+from benchmarks.emulated_figure import DEFAULT_F_MS, Case, f_ms_for, run_case  # noqa: E402
+from benchmarks.fail_slow import median_between  # noqa: E402
 from ds_recycle.events import PlanSwitchEvent  # noqa: E402
 
 _COSTS = re.compile(r"measured costs \(ms\) (\{.*\})")
-
-
-def _median_from(res: Result, first: int) -> float:
-    steps = sorted(s for s in res.stamps if s >= first and s - 1 in res.stamps)
-    return statistics.median(res.stamps[s] - res.stamps[s - 1] for s in steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             report = json.loads(found[-1])
             switches = [e.iteration for e in res.events if isinstance(e, PlanSwitchEvent) and e.measured]
             first = (switches[0] + 1) if switches else args.warmup + 1
-            measured = _median_from(res, first)
+            measured = median_between(res, first)
             planned = report["planned"] / 1e3
             line = (f"{name:<28} {'yes' if with_file else 'no':>10} {switches[0] if switches else '-':>11} "
                     f"{report['comm']:>8.3f} {planned:>9.3f} {measured:>10.3f} {measured / planned:>9.3f}")
