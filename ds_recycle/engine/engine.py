@@ -198,7 +198,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """Parameters this stage shares with other stages (``TiedLayerSpec``; :mod:`ds_recycle.engine.tied`)."""
         self.transport: Transport = DistTransport.of_grid(self.grid, self._tied_groups())
         """Every transfer and collective of the engine (:mod:`ds_recycle.engine.transport`)."""
-        self.channel = PeerChannel(self.transport, self.workers.pipelines, self.micro_batches)
+        self.channel = PeerChannel(self.transport)
         self.stepper = self._make_stepper()
         self.row_order = RowOrder(lambda pipeline: pipeline not in self.stepper.rerouted_pipelines)
         """Own rows add their weight gradients in micro-batch order (:mod:`ds_recycle.engine.row_order`)."""
@@ -340,7 +340,7 @@ class RecyclePipelineEngine(PipelineEngine):
         self.workers, self.plan, self.transport = setup.workers, setup.plan, setup.transport
         self.grid = self.mpu = self.module._grid = setup.grid
         self._schedules = [self._make_schedule(k) for k in range(self.plan.iterations)]
-        self.channel = PeerChannel(self.transport, self.workers.pipelines, self.micro_batches)
+        self.channel = PeerChannel(self.transport)
         self.stepper = self._make_stepper()
         self.stepper.clipped_steps = old.clipped_steps
         self.stepper.adopt_contributions(old.kept_contributions())

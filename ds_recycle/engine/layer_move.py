@@ -51,10 +51,6 @@ from ds_recycle.runtime.grid import WorkerMap
 __all__ = ["movable_reason", "pinned_layers", "PendingMove", "receive_layers", "install_layers", "Transfer", "transfers",
            "held_layers", "spec_parameters"]
 
-_TAG = 7_000_000
-"""Tags of the layer transfers (two a layer: its size, then its bytes), clear of the engine's own."""
-
-
 def movable_reason(module: Any) -> str | None:
     """Why ``module``'s layers cannot move between stages (None: they can)."""
     specs = getattr(module, "_layer_specs", None)
@@ -167,15 +163,15 @@ def receive_layers(module: Any, optimizer: Any, parts: Sequence[int], workers: W
         if t.src == rank:
             data = _payload(layers[t.layer], optimizer)
             size = torch.tensor([data.numel()], dtype=torch.int64)
-            sends.append((transport.isend(size, t.dst, _TAG + 2 * t.layer), size, t.dst))
-            sends.append((transport.isend(data, t.dst, _TAG + 2 * t.layer + 1), data, t.dst))
+            sends.append((transport.isend(size, t.dst), size, t.dst))
+            sends.append((transport.isend(data, t.dst), data, t.dst))
     received: dict[int, dict[str, Any]] = {}
     for t in plan:
         if t.dst == rank:
             size = torch.zeros(1, dtype=torch.int64)
-            transport.recv([size], t.src, [_TAG + 2 * t.layer])
+            transport.recv([size], t.src, f"layer {t.layer}'s size")
             data = torch.empty(int(size.item()), dtype=torch.uint8)
-            transport.recv([data], t.src, [_TAG + 2 * t.layer + 1])
+            transport.recv([data], t.src, f"layer {t.layer}")
             received[t.layer] = _unpack(data)
     for work, _, dst in sends:
         if work is not None:

@@ -6,8 +6,12 @@ with blocking sends (a gloo send is a rendezvous). Here:
 - sends are posted with ``isend`` and kept until :meth:`PeerChannel.wait_sends` (bounded by the group
   timeout), so no worker ever blocks on a send;
 - receives block right before the op that needs the tensor;
-- every message carries a tag made of its kind, iteration, micro-batch and part (the position in a
-  tuple), so messages between the same two workers match by identity, not by arrival order;
+- messages carry no tags: between two workers they match in the order they were posted (NCCL's
+  discipline, which ignores tags; the engine posts each pair's sends and receives in one order, see
+  :mod:`ds_recycle.engine.nccl_check`), and a receive names its message (kind, iteration, micro-batch)
+  only in errors. With ``DS_RECYCLE_CHECK_ORDER=1`` in the environment every message is preceded by its
+  name (kind, iteration, micro-batch: four integers), which the receiver compares with what it expects, so that a
+  message taken out of order fails at once, naming both (the test suite runs this way);
 - a payload is one tensor or a tuple of tensors (:data:`Payload`) of any dtype in :data:`DTYPES`; a
   tuple travels as one message per element, posted together;
 - the first activation a worker sends to a given peer is preceded by a small header (tuple or not, and
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+import os
 from typing import Any
 
 import torch
@@ -44,9 +48,12 @@ _META_LEN = _RECORD * (_MAX_PARTS + 1)
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
+CHECK_ORDER_ENV = "DS_RECYCLE_CHECK_ORDER"
+"""Environment variable: ``1`` makes every :class:`PeerChannel` check each message's place in its pair's order."""
+
 
 class Channel(enum.Enum):
-    """What a message carries; part of its tag."""
+    """What a message carries."""
 
     META = 0
     """Shape and dtype header of the activations from one peer (sent once)."""
@@ -103,58 +110,63 @@ def decode_header(meta: torch.Tensor, peer: int) -> tuple[bool, list[TensorSpec]
 
 
 class PeerChannel:
-    """Tagged, explicit-peer sends and receives for one worker."""
+    """Explicit-peer sends and receives for one worker, matched per pair in posting order."""
 
-    def __init__(self, transport: Transport, pipelines: int, microbatches: int) -> None:
+    def __init__(self, transport: Transport, check_order: bool | None = None) -> None:
+        """``check_order``: send each message's name before it and compare it on receipt (None: as
+        :data:`CHECK_ORDER_ENV` says)."""
         self.transport = transport
-        self.pipelines = pipelines
-        self.microbatches = microbatches
+        self.check_order = os.environ.get(CHECK_ORDER_ENV) == "1" if check_order is None else check_order
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._meta_sent: set[int] = set()
         self._meta_recv: dict[int, tuple[bool, list[TensorSpec]]] = {}
 
-    def _tag(self, channel: Channel, iteration: int, mb: MicroBatch, part: int = 0) -> int:
-        slot = mb[0] * self.microbatches + mb[1]
-        return (((part * 4 + iteration % 4) * 3 + channel.value) * self.pipelines * self.microbatches + slot + 1)
+    @staticmethod
+    def _name(channel: Channel, iteration: int, mb: MicroBatch) -> torch.Tensor:
+        return torch.tensor([channel.value, iteration, mb[0], mb[1]], dtype=torch.int64)
+
+    @staticmethod
+    def _what(channel: Channel, iteration: int, mb: MicroBatch) -> str:
+        return f"{channel.name.lower()} of micro-batch {mb[0]}.{mb[1]}, iteration {iteration}"
 
     def send(self, payload: Payload, peer: int, channel: Channel, iteration: int, mb: MicroBatch) -> None:
         """Post ``payload`` to ``peer``; its tensors must not change until :meth:`wait_sends`."""
         if channel is Channel.ACTIVATION and peer not in self._meta_sent:
-            self._post(encode_header(payload), peer, 0)
+            self._post(encode_header(payload), peer)
             self._meta_sent.add(peer)
-        if isinstance(payload, torch.Tensor):
-            self._post(payload.contiguous(), peer, self._tag(channel, iteration, mb))
-            return
-        for part, tensor in enumerate(payload):
-            self._post(tensor.contiguous(), peer, self._tag(channel, iteration, mb, part))
+        if self.check_order:
+            self._post(self._name(channel, iteration, mb), peer)
+        for tensor in (payload,) if isinstance(payload, torch.Tensor) else payload:
+            self._post(tensor.contiguous(), peer)
 
     def recv_activation(self, peer: int, iteration: int, mb: MicroBatch) -> Payload:
         """Block until the activation of ``mb`` from ``peer`` arrives; returns fresh tensors."""
         if peer not in self._meta_recv:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
-            self._recv(meta, peer, 0)
+            self.transport.recv((meta,), peer, "the activation header")
             self._meta_recv[peer] = decode_header(meta, peer)
         is_tuple, specs = self._meta_recv[peer]
         buffers = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
         return self.recv_like(buffers if is_tuple else buffers[0], peer, Channel.ACTIVATION, iteration, mb)
 
     def recv_like(self, buffer: Payload, peer: int, channel: Channel, iteration: int, mb: MicroBatch) -> Payload:
-        """Block until the message of ``mb`` on ``channel`` from ``peer`` fills ``buffer`` (a tensor or a tuple)."""
-        if isinstance(buffer, torch.Tensor):
-            self._recv(buffer, peer, self._tag(channel, iteration, mb))
-            return buffer
-        self._recv_parts(buffer, peer, [self._tag(channel, iteration, mb, part) for part in range(len(buffer))])
+        """Block until the message of ``mb`` on ``channel`` from ``peer`` fills ``buffer`` (a tensor or a tuple);
+        it must be the next one ``peer`` sent this worker."""
+        buffers = (buffer,) if isinstance(buffer, torch.Tensor) else tuple(buffer)
+        what = self._what(channel, iteration, mb)
+        if self.check_order:
+            name = torch.zeros(4, dtype=torch.int64)
+            self.transport.recv((name,), peer, f"the name of the {what}")
+            if not torch.equal(name, self._name(channel, iteration, mb)):
+                got = Channel(int(name[0])).name.lower() if 0 <= int(name[0]) < len(Channel) else f"channel {name[0]}"
+                raise RuntimeError(f"message order broken: rank {peer}'s next message to this worker is the {got} of "
+                                   f"micro-batch {int(name[2])}.{int(name[3])}, iteration {int(name[1])}; this "
+                                   f"worker expected the {what} (messages match per pair in posting order)")
+        self.transport.recv(buffers, peer, what)
         return buffer
 
-    def _post(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self._pending.append((self.transport.isend(tensor, peer, tag), tensor))
-
-    def _recv(self, buffer: torch.Tensor, peer: int, tag: int) -> None:
-        self.transport.recv((buffer,), peer, (tag,))
-
-    def _recv_parts(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
-        """Receive into several buffers: all posted first, then waited for."""
-        self.transport.recv(buffers, peer, tags)
+    def _post(self, tensor: torch.Tensor, peer: int) -> None:
+        self._pending.append((self.transport.isend(tensor, peer), tensor))
 
     def wait_sends(self) -> None:
         """Wait until every posted send was received."""

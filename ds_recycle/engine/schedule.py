@@ -351,12 +351,95 @@ def check_plan_for_job(plan: PlanLike, stages: int, pipelines: int, microbatches
                                                f"{runner}, which is absent")
 
 
+def _lowered(plan: PlanLike, worker: Worker, rank_of: Callable[[Worker], int], iteration: int, synchronous: bool,
+             repair: Repair | None, forward_only: bool) -> tuple[list[list[PipeInstruction]], int]:
+    """``worker``'s steps of ``iteration`` and the buffers they need, a repair's log sends not yet placed."""
+    items = worker_items(plan, worker, min(iteration, plan.iterations - 1))
+    _check_items(items, worker, plan.microbatches, plan.pipelines)
+    sends_grad: Callable[[MicroBatch], bool] | None = None
+    sends_activation: Callable[[MicroBatch], bool] | None = None
+    stage = worker[1]
+
+    def peer(at: int, mb: MicroBatch) -> int:
+        if repair is not None and not (at not in repair.committed and repair.runs(mb, at)):
+            return repair.sources[(at > stage, stage, mb)]  # a neighbour that runs nothing of mb: its log
+        return rank_of(plan.worker_of(at, mb))
+
+    if repair is not None:  # the rest of an interrupted iteration: a subsequence of a checked one
+        items = repair_items(items, stage, repair)
+        sends_grad = lambda mb: stage > repair.lowest_unfinished_stage(mb, stage)  # noqa: E731
+        sends_activation = lambda mb: stage + 1 not in repair.committed and repair.runs(mb, stage + 1)  # noqa: E731
+    if forward_only:  # evaluation: the plan's forwards, in its order and routing
+        items = [item for item in items if item.kind is WorkKind.F]
+    fuse = getattr(plan, "schedule", None) == "1f1b"
+    return lower_worker_items(items, stage, plan.stages, peer, synchronous, fuse, sends_grad, sends_activation)
+
+
+_Message = tuple[bool, MicroBatch]
+"""A boundary message as its receiver names it: (is an output gradient, micro-batch)."""
+
+
+def _received_from(steps: Sequence[Sequence[PipeInstruction]], sender: int) -> list[_Message]:
+    """The messages ``steps`` receive from rank ``sender``, in order."""
+    return [(isinstance(cmd, RecvGradFrom), tuple(cmd.kwargs["micro_batch"])) for step in steps for cmd in step
+            if isinstance(cmd, (RecvActivationFrom, RecvGradFrom)) and cmd.kwargs["peer"] == sender]
+
+
+def _sent_to(steps: Sequence[Sequence[PipeInstruction]], receiver: int) -> list[_Message]:
+    """The messages ``steps`` send rank ``receiver``, in order (log sends included)."""
+    return [(isinstance(cmd, SendGradTo) or (isinstance(cmd, SendLoggedTo) and cmd.kwargs["grad"]),
+             tuple(cmd.kwargs["micro_batch"])) for step in steps for cmd in step
+            if isinstance(cmd, (SendActivationTo, SendGradTo, SendLoggedTo)) and cmd.kwargs["peer"] == receiver]
+
+
+def _place_served(steps: list[list[PipeInstruction]], served: Sequence[PipeInstruction], me: int,
+                  receives: Callable[[int], list[_Message]]) -> None:
+    """Put this worker's log sends (``served``) into its ``steps`` so that each receiver gets every message from
+    it in the order it receives them (messages match per pair in posting order): a log send goes right after the
+    send of the message its receiver takes just before it, or first (a step of its own after the first) when it
+    takes none before it. ``receives(rank)``: that rank's receives from this worker, in order."""
+    first: list[PipeInstruction] = []
+    after: dict[tuple[int, _Message], list[PipeInstruction]] = {}
+    by_receiver: dict[int, dict[_Message, PipeInstruction]] = {}
+    for cmd in served:
+        by_receiver.setdefault(cmd.kwargs["peer"], {})[(cmd.kwargs["grad"], tuple(cmd.kwargs["micro_batch"]))] = cmd
+    for receiver, logged in by_receiver.items():
+        previous: _Message | None = None
+        for message in receives(receiver):
+            cmd = logged.get(message)
+            if cmd is None:
+                previous = message
+            elif previous is None:
+                first.append(cmd)
+            else:
+                after.setdefault((receiver, previous), []).append(cmd)
+    for step in steps:
+        k = 0
+        while k < len(step):
+            cmd = step[k]
+            k += 1
+            if isinstance(cmd, (SendActivationTo, SendGradTo)):
+                key = (cmd.kwargs["peer"], (isinstance(cmd, SendGradTo), tuple(cmd.kwargs["micro_batch"])))
+                for extra in after.pop(key, []):
+                    step.insert(k, extra)
+                    k += 1
+    if first:
+        steps.insert(1, first)
+    for receiver in by_receiver:
+        sent, want = _sent_to(steps, receiver), receives(receiver)
+        if sent != want:
+            raise PlanNotRunnableError(f"repair: rank {me} would send rank {receiver} {sent} but it receives {want} "
+                                       "from it in that order")
+
+
 class PlanSchedule(PipeSchedule):
     """DeepSpeed ``PipeSchedule`` that executes one worker's ops of one iteration of a plan.
 
     ``steps()`` yields one list of instructions per plan op (a step is atomic, as in DeepSpeed).
     Training iteration ``k`` runs the plan's iteration ``min(k, plan.iterations - 1)``. ``forward_only``
     keeps the F ops (evaluation: every micro-batch forwarded once per stage, routed as the plan routes it).
+    In a ``repair`` a worker that holds logged boundary tensors others need sends each where its receiver's order
+    of receives from this worker puts it (:func:`_place_served`).
     """
 
     def __init__(self, plan: PlanLike, worker: Worker, rank_of: Callable[[Worker], int], iteration: int,
@@ -365,35 +448,21 @@ class PlanSchedule(PipeSchedule):
         self.plan = plan
         self.worker = worker
         self.iteration = iteration
-        self.items = worker_items(plan, worker, min(iteration, plan.iterations - 1))
-        _check_items(self.items, worker, plan.microbatches, plan.pipelines)
-        sends_grad: Callable[[MicroBatch], bool] | None = None
-        sends_activation: Callable[[MicroBatch], bool] | None = None
         stage = worker[1]
-
-        def peer(at: int, mb: MicroBatch) -> int:
-            if repair is not None and not (at not in repair.committed and repair.runs(mb, at)):
-                return repair.sources[(at > stage, stage, mb)]  # a neighbour that runs nothing of mb: its log
-            return rank_of(plan.worker_of(at, mb))
-
-        if repair is not None:  # the rest of an interrupted iteration: a subsequence of a checked one
-            self.items = repair_items(self.items, stage, repair)
-            sends_grad = lambda mb: stage > repair.lowest_unfinished_stage(mb, stage)  # noqa: E731
-            sends_activation = lambda mb: stage + 1 not in repair.committed and repair.runs(mb, stage + 1)  # noqa: E731
-
-        if forward_only:  # evaluation: the plan's forwards, in its order and routing
-            self.items = [item for item in self.items if item.kind is WorkKind.F]
-
-        fuse = getattr(plan, "schedule", None) == "1f1b"
-        self._steps, self._buffers = lower_worker_items(self.items, stage, plan.stages, peer, synchronous, fuse,
-                                                        sends_grad, sends_activation)
+        self._steps, self._buffers = _lowered(plan, worker, rank_of, iteration, synchronous, repair, forward_only)
         if repair is not None:
+            me = rank_of(worker)
             served = _served_from_log(plan, worker, rank_of, repair)
             if served:
-                self._steps.insert(1, served)
+                by_rank = {rank_of(w): w for w in plan.workers}
+
+                def receives(rank: int) -> list[_Message]:
+                    theirs, _ = _lowered(plan, by_rank[rank], rank_of, iteration, synchronous, repair, forward_only)
+                    return _received_from(theirs, me)
+                _place_served(self._steps, served, me, receives)
             if stage in repair.committed:  # nothing of the iteration to compute again: serve, then the norm
                 self._steps.append([WaitSends()])
-                if rank_of(worker) in repair.completing:
+                if me in repair.completing:
                     self._steps.append([CompleteOptimizerStep()])
                 elif repair.steps_anywhere:
                     self._steps.append([ShareCommittedNorm()])

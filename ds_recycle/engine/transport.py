@@ -8,6 +8,11 @@ how. :class:`DistTransport` is ``torch.distributed`` on the groups of a
 :class:`~ds_recycle.runtime.grid.SurvivorGrid` (no failure handling: under ``torchrun`` and ``deepspeed``);
 the failure handler installs its own per membership epoch, whose waits a dead peer cannot hang
 (:class:`ds_recycle.resilience.transport.EpochTransport`).
+
+Point-to-point messages carry no tags: between two ranks they match in the order they were posted, as NCCL
+matches them (NCCL ignores tags). The engine posts each pair's sends and receives in one order
+(:func:`ds_recycle.engine.nccl_check.check_order` proves it for a plan without running it), so every CPU run
+exercises the ordering a GPU run needs.
 """
 from __future__ import annotations
 
@@ -24,13 +29,14 @@ class Transport(Protocol):
     """How the engine communicates (see the module docstring). Blocking calls return when done; ``post_*``
     calls return a work for :meth:`wait`."""
 
-    # point to point, by global rank
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+    # point to point, by global rank, matched per pair in posting order (no tags: NCCL's discipline)
+    def isend(self, tensor: torch.Tensor, peer: int) -> Any:
         """Post a send; the work completes once ``peer`` received it."""
         ...
 
-    def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
-        """Receive one message per buffer from ``peer`` (all posted first, then waited for)."""
+    def recv(self, buffers: Sequence[torch.Tensor], peer: int, what: str) -> None:
+        """Receive the next ``len(buffers)`` messages from ``peer`` into ``buffers`` (all posted first, then waited
+        for); ``what`` names them in errors."""
         ...
 
     # the stage's live replicas
@@ -99,14 +105,14 @@ class DistTransport:
         """On a :class:`~ds_recycle.runtime.grid.SurvivorGrid`'s groups; ``tied_group(name)``: a tied weight's."""
         return cls(grid.p2p_group, grid.get_data_parallel_group(), grid.norm_group, grid.world_proc_group, tied_group)
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return dist.isend(tensor, dst=peer, group=self.p2p_group, tag=tag)
+    def isend(self, tensor: torch.Tensor, peer: int) -> Any:
+        return dist.isend(tensor, dst=peer, group=self.p2p_group)
 
-    def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
+    def recv(self, buffers: Sequence[torch.Tensor], peer: int, what: str) -> None:
         if len(buffers) == 1:
-            dist.recv(buffers[0], src=peer, group=self.p2p_group, tag=tags[0])
+            dist.recv(buffers[0], src=peer, group=self.p2p_group)
             return
-        works = [dist.irecv(b, src=peer, group=self.p2p_group, tag=t) for b, t in zip(buffers, tags)]
+        works = [dist.irecv(b, src=peer, group=self.p2p_group) for b in buffers]
         for work in works:
             if work is not None:  # None only on a rank outside the group, which cannot be a peer
                 work.wait()

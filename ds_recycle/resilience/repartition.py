@@ -4,10 +4,11 @@ Re-routing covers a failure at once; when it lasts, every live worker's work can
 (:mod:`ds_recycle.plan.partition`, ``recycle.repartition``). At each iteration boundary the
 :class:`Repartitioner` of every member sees the same membership (the failure set) and the same iteration:
 
-1. When the membership changes, the *deciding rank* (the lowest member) starts choosing in a background thread:
-   the best partition of the layers for the live replicas, each candidate timed by the planner from the current
-   partition, and the plan for it (the planner is pure Python: that rank's training thread shares the interpreter
-   with it for the planning's duration, a fraction of a second to seconds).
+1. When the membership changes, the *deciding rank* (the lowest member) starts choosing: the best partition of
+   the layers for the live replicas, each candidate timed by the planner from the current partition, and the plan
+   for it. The planner is pure Python and a choice takes seconds, so it runs in a child process
+   (:mod:`ds_recycle.plan.choice_process`; a thread of the deciding rank only waits for it): the training thread
+   keeps its interpreter to itself.
 2. ``after_iterations`` boundaries later it writes the decision to the store (under the generation's root:
    ``repartition/<round>/<iteration>``): stay, or the partition with its plan (the plan format); the others wait
    for it there (bounded; a member lost meanwhile is a failure like any other). A move pays when the time it saves
@@ -46,12 +47,16 @@ from ds_recycle.engine.layer_move import spec_parameters
 from ds_recycle.engine.position import Position
 from ds_recycle.events import Event, RepartitionEvent
 from ds_recycle.plan import CostModel, Plan
+from ds_recycle.plan.choice_process import choice_request, choose_in_child
 from ds_recycle.plan.errors import PlanError
-from ds_recycle.plan.partition import LayerCosts, Partition, choose_partition, layer_moves, partitioned_plan
+from ds_recycle.plan.partition import LayerCosts, Partition, layer_moves
 
 __all__ = ["Repartitioner", "layer_costs_of", "Decision"]
 
 logger = logging.getLogger(__name__)
+
+CHOICE_TIMEOUT_S = 600.0
+"""The longest a partition choice may take (its child process is then killed and the members stay)."""
 
 _BYTES_PER_PARAM = 16
 """Parameter, gradient-free Adam state and master copy a moved parameter carries, at most (mixed-precision Adam:
@@ -218,16 +223,13 @@ class Repartitioner:
     def _choose(self, engine: Any, absent: frozenset[tuple[int, int]], parts: Partition,
                 slow: dict[tuple[int, int], float]) -> None:
         S, D, M = engine.num_stages, engine.workers.pipelines, self.microbatches
+        request = choice_request(self.layers, S, D, M, absent, parts, horizon=self.cfg.horizon,
+                                 pinned=engine.pinned_layers, slow=slow, plan_options=self.plan_options)
         try:
-            choice = choose_partition(self.layers, S, D, M, absent, parts, horizon=self.cfg.horizon,
-                                      memory_limit=self.plan_options.get("memory_limit"), pinned=engine.pinned_layers,
-                                      slow=slow)
-            plan = None
-            if choice.partition != parts:
-                plan = partitioned_plan(self.layers, choice.partition, S, D, M, absent, slow,
-                                        **self.plan_options).to_json()
-            self._decision = Decision(choice.partition, plan, choice.current_iteration_s, choice.moved_iteration_s,
-                                      choice.describe())
+            got = choose_in_child(request, CHOICE_TIMEOUT_S)
+            partition = tuple(got["partition"])
+            self._decision = Decision(partition, got["plan"] if partition != parts else None,
+                                      float(got["planned_before"]), float(got["planned_after"]), str(got["why"]))
         except Exception as e:  # a decision that cannot be made is "stay", said once
             logger.warning("repartition: no decision for absent %s: %r", sorted(absent), e)
             self._decision = Decision(None, None, float("nan"), float("nan"), f"planning failed: {e!r}")

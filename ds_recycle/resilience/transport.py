@@ -91,13 +91,13 @@ class EpochTransport:
         self._loss_work: Any = None
         self._loss_message: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return self.comm.p2p.send(tensor, peer, tag)
+    def isend(self, tensor: torch.Tensor, peer: int) -> Any:
+        return self.comm.p2p.send(tensor, peer)
 
-    def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
-        works = [self.comm.p2p.recv(b, peer, t) for b, t in zip(buffers, tags)]
-        for work, tag in zip(works, tags):
-            self.comm.wait(work, f"receive tag {tag} from rank {peer}")
+    def recv(self, buffers: Sequence[torch.Tensor], peer: int, what: str) -> None:
+        works = [self.comm.p2p.recv(b, peer) for b in buffers]
+        for work in works:
+            self.comm.wait(work, f"receive {what} from rank {peer}")
 
     def stage_all_reduce(self, tensor: torch.Tensor) -> None:
         self.comm.wait(self.comm.stage.all_reduce_sum(tensor), "stage gradient all-reduce")

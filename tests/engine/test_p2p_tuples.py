@@ -46,3 +46,13 @@ def test_malformed_header_is_reported_with_the_peer() -> None:
 def test_two_ranks_exchange_tuples_and_their_gradients(mode: str) -> None:
     outs = spawn(2, [str(REPO / "tests" / "engine" / "_tuple_p2p_job.py"), mode], timeout=90)
     assert [o.strip().splitlines()[-1] for o in outs] == ["OK 0", "OK 1"], outs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_message_taken_out_of_order_is_refused_naming_both() -> None:
+    """Messages match per pair in posting order (no tags); with the order check on, asking for the second message
+    first fails at once instead of filling the buffer with the first."""
+    outs = spawn(2, [str(REPO / "tests" / "engine" / "_tuple_p2p_job.py"), "misordered"], timeout=90)
+    assert ("REFUSED message order broken: rank 0's next message to this worker is the activation of micro-batch "
+            "0.0, iteration 0; this worker expected the activation of micro-batch 0.1, iteration 0") in outs[1], outs
