@@ -27,17 +27,26 @@ from dataclasses import dataclass
 from ds_recycle.engine.instructions import (
     BackwardInput,
     BackwardWeight,
+    PipeInstruction,
     RecvActivationFrom,
     RecvGradFrom,
     SendActivationTo,
     SendGradTo,
+    SendLoggedTo,
 )
-from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Worker
+from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, Worker
 
 __all__ = ["Transfer", "NcclPlanError", "dense_ranks", "p2p_program", "check_order", "check_waits", "check_plan"]
 
 _P2P = {SendActivationTo: ("send", "activation"), SendGradTo: ("send", "grad"),
         RecvActivationFrom: ("recv", "activation"), RecvGradFrom: ("recv", "grad")}
+
+
+def _p2p_kind(cmd: PipeInstruction) -> tuple[str, str] | None:
+    """(send or recv, channel) of a point-to-point instruction (a repair's log send included), else None."""
+    if isinstance(cmd, SendLoggedTo):
+        return "send", "grad" if cmd.kwargs["grad"] else "activation"
+    return _P2P.get(type(cmd))
 
 
 @dataclass(frozen=True)
@@ -64,10 +73,11 @@ def dense_ranks(plan: PlanLike) -> dict[Worker, int]:
     return {w: r for r, w in enumerate(live)}
 
 
-def p2p_program(plan: PlanLike, iteration: int = 0,
-                rank_of: Callable[[Worker], int] | None = None) -> dict[int, list[list[Transfer]]]:
+def p2p_program(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], int] | None = None,
+                repair: Repair | None = None) -> dict[int, list[list[Transfer]]]:
     """Every live worker's point-to-point operations of ``iteration``, by rank, in batches (see the module
-    docstring)."""
+    docstring); with ``repair``, those of the repair of an interrupted ``iteration`` (a tensor a worker takes from
+    its own log is no transfer)."""
     ranks = dense_ranks(plan)
     number = rank_of if rank_of is not None else ranks.__getitem__
     program: dict[int, list[list[Transfer]]] = {}
@@ -75,9 +85,11 @@ def p2p_program(plan: PlanLike, iteration: int = 0,
         batches: list[list[Transfer]] = []
         current: list[Transfer] = []
         fused: set[int] = set()  # buffers whose W ran inside a fused backward: their BackwardWeight only frees them
-        for step in PlanSchedule(plan, worker, number, iteration).steps():
+        for step in PlanSchedule(plan, worker, number, iteration, repair=repair).steps():
             for cmd in step:
-                kind = _P2P.get(type(cmd))
+                kind = _p2p_kind(cmd)
+                if kind is not None and cmd.kwargs["peer"] == number(worker):
+                    continue
                 if kind is None:
                     if isinstance(cmd, BackwardInput) and cmd.kwargs.get("weights"):
                         fused.add(cmd.kwargs["buffer_id"])

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from ds_recycle.engine import instructions as ins
+from ds_recycle.engine.nccl_check import check_order, p2p_program
 from ds_recycle.engine.position import Position
 from ds_recycle.engine.schedule import PlanSchedule, Repair, WorkKind, repair_items, worker_items
 from ds_recycle.plan import CostModel, make_plan
@@ -43,8 +44,10 @@ def test_repair_keeps_finished_weight_gradients_and_runs_unfinished_work_over_it
 
 
 def _messages(plan, repair: Repair) -> tuple[Counter, Counter]:
-    """Every send and every receive of the lowered repair schedules of all workers: (channel, src, dst, mb)."""
+    """Every send and every receive of the lowered repair schedules of all workers: (channel, src, dst, mb). Each
+    pair's messages must also be received in the order they are sent (they match in posting order)."""
     workers = WorkerMap.dense(plan.stages, plan.pipelines, frozenset(plan.failed))
+    check_order(p2p_program(plan, 0, workers.rank_of, repair=repair))
     sends: Counter = Counter()
     recvs: Counter = Counter()
     for worker, rank in workers.ranks.items():
