@@ -30,7 +30,8 @@ import torch
 from ds_recycle.engine.instructions import MicroBatch
 from ds_recycle.engine.transport import Transport
 
-__all__ = ["DTYPES", "Channel", "Payload", "PeerChannel", "check_payload", "decode_header", "encode_header"]
+__all__ = ["CHECK_ORDER_ENV", "DTYPES", "Channel", "Payload", "PeerChannel", "check_payload", "decode_header",
+           "encode_header", "header_checks_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +78,13 @@ def check_payload(payload: object, where: str = "a stage output") -> None:
                     "tensors as a tuple, e.g. (hidden, mask), instead of a dict or a dataclass")
 
 
-def encode_header(payload: Payload) -> torch.Tensor:
-    """The ``int64`` header that describes ``payload`` (see :func:`decode_header`)."""
+def encode_header(payload: Payload, check_order: bool = False) -> torch.Tensor:
+    """The ``int64`` header that describes ``payload`` (see :func:`decode_header`), and whether its sender names
+    every message (:func:`header_checks_order`)."""
     check_payload(payload)
     bare = isinstance(payload, torch.Tensor)
     tensors = [payload] if isinstance(payload, torch.Tensor) else list(payload)
-    meta = [0 if bare else len(tensors)] + [0] * (_RECORD - 1)
+    meta = [0 if bare else len(tensors), int(check_order)] + [0] * (_RECORD - 2)
     for tensor in tensors:
         if tensor.dtype not in DTYPES or tensor.dim() > _RECORD - 2:
             raise TypeError(f"cannot send a stage output of dtype {tensor.dtype} with {tensor.dim()} dims; "
@@ -91,6 +93,11 @@ def encode_header(payload: Payload) -> torch.Tensor:
         record = [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
         meta += record + [0] * (_RECORD - len(record))
     return torch.tensor(meta + [0] * (_META_LEN - len(meta)), dtype=torch.int64)
+
+
+def header_checks_order(meta: torch.Tensor) -> bool:
+    """Whether the sender of header ``meta`` names every message it sends (``DS_RECYCLE_CHECK_ORDER``)."""
+    return bool(int(meta[1]))
 
 
 def decode_header(meta: torch.Tensor, peer: int) -> tuple[bool, list[TensorSpec]]:
@@ -132,7 +139,7 @@ class PeerChannel:
     def send(self, payload: Payload, peer: int, channel: Channel, iteration: int, mb: MicroBatch) -> None:
         """Post ``payload`` to ``peer``; its tensors must not change until :meth:`wait_sends`."""
         if channel is Channel.ACTIVATION and peer not in self._meta_sent:
-            self._post(encode_header(payload), peer)
+            self._post(encode_header(payload, self.check_order), peer)
             self._meta_sent.add(peer)
         if self.check_order:
             self._post(self._name(channel, iteration, mb), peer)
@@ -144,6 +151,11 @@ class PeerChannel:
         if peer not in self._meta_recv:
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             self.transport.recv((meta,), peer, "the activation header")
+            if header_checks_order(meta) != self.check_order:
+                raise RuntimeError(f"rank {peer} {'names' if header_checks_order(meta) else 'does not name'} its "
+                                   f"messages and this worker {'does' if self.check_order else 'does not'}: set "
+                                   f"{CHECK_ORDER_ENV} alike for every worker of the job (ds-recycle launch passes it "
+                                   "to the nodes it starts over ssh)")
             self._meta_recv[peer] = decode_header(meta, peer)
         is_tuple, specs = self._meta_recv[peer]
         buffers = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)

@@ -25,12 +25,14 @@ __all__ = ["EXPORT_PREFIXES", "default_env_files", "exported_env", "launcher_arg
 EXPORT_PREFIXES = ("PYTHON", "DS_", "OMP_", "MKL_", "NCCL_", "GLOO_", "TORCH_", "WANDB_", "HF_")
 #: set per node by the remote launcher itself, never copied from node 0
 _NOT_EXPORTED = ("CUDA_VISIBLE_DEVICES", "DS_RECYCLE_")
+#: job-wide settings under those prefixes, which every node must share (engine/p2p.py's message order check)
+_JOB_WIDE = ("DS_RECYCLE_CHECK_ORDER",)
 
 
 def exported_env(env: Mapping[str, str], env_files: tuple[Path, ...] = ()) -> dict[str, str]:
     """The variables of ``env`` that travel to remote launchers, plus those of ``env_files`` (later files win)."""
     chosen = {k: v for k, v in env.items()
-              if k.startswith(EXPORT_PREFIXES) and not k.startswith(_NOT_EXPORTED)}
+              if k in _JOB_WIDE or (k.startswith(EXPORT_PREFIXES) and not k.startswith(_NOT_EXPORTED))}
     for file in env_files:
         if file.is_file():
             for line in file.read_text(encoding="utf-8").splitlines():

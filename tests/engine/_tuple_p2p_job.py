@@ -1,6 +1,6 @@
 """Two ranks exchange tuple and single-tensor payloads through a channel; prints ``OK <rank>`` (test_p2p_tuples.py).
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/engine/_tuple_p2p_job.py peer|bounded|misordered
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/engine/_tuple_p2p_job.py peer|bounded|misordered|mixed
 
 ``peer``: :class:`~ds_recycle.engine.p2p.PeerChannel` over ``torch.distributed``'s WORLD group; ``bounded``: over
 :class:`~ds_recycle.resilience.transport.EpochTransport`, an epoch's groups over a store hosted by rank 0.
@@ -8,7 +8,8 @@ Rank 0 plays the earlier stage: it sends activations of 4 micro-batches (2 pipel
 gradients; rank 1 receives the activations in the order they were sent (messages match per pair in posting
 order, no tags) and sends gradients made from them in the reverse order, then one bare bf16 tensor the other way.
 ``misordered``: bounded, every message named (order checked); rank 0 posts two activations and rank 1 asks for
-the second first: it prints the refusal.
+the second first: it prints the refusal. ``mixed``: the same with only rank 0 naming its messages: rank 1 refuses
+the first header.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def channel(mode: str, rank: int) -> PeerChannel:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, rank == 0,
                           timeout=timedelta(seconds=60))
     comm = EpochComm.build(store, 0, [0, 1], [0, 1], rank, timeout_s=60.0, detector=Quiet())
-    return PeerChannel(EpochTransport(comm, rank), check_order=mode == "misordered")
+    return PeerChannel(EpochTransport(comm, rank), check_order=mode == "misordered" or (mode == "mixed" and rank == 0))
 
 
 def sender(ch: PeerChannel) -> None:
@@ -100,7 +101,7 @@ def receiver(ch: PeerChannel) -> None:
 def main() -> int:
     mode, rank = sys.argv[1], int(os.environ["RANK"])
     ch = channel(mode, rank)
-    if mode == "misordered":
+    if mode in ("misordered", "mixed"):
         misordered(ch, rank)
     elif rank == 0:
         sender(ch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_recycle.engine.p2p import decode_header, encode_header
+from ds_recycle.engine.p2p import decode_header, encode_header, header_checks_order
 from tests.engine.spawn import REPO, spawn
 
 
@@ -19,6 +19,7 @@ def test_header_round_trip(payload: torch.Tensor | tuple[torch.Tensor, ...]) -> 
     tensors = payload if isinstance(payload, tuple) else (payload,)
     assert is_tuple == isinstance(payload, tuple)
     assert specs == [(tuple(t.shape), t.dtype) for t in tensors]
+    assert not header_checks_order(encode_header(payload)) and header_checks_order(encode_header(payload, True))
 
 
 @pytest.mark.parametrize(("payload", "words"), [
@@ -50,9 +51,14 @@ def test_two_ranks_exchange_tuples_and_their_gradients(mode: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_a_message_taken_out_of_order_is_refused_naming_both() -> None:
+@pytest.mark.parametrize(("mode", "refusal"), [
+    ("misordered", "message order broken: rank 0's next message to this worker is the activation of micro-batch 0.0, "
+                   "iteration 0; this worker expected the activation of micro-batch 0.1, iteration 0"),
+    ("mixed", "rank 0 names its messages and this worker does not: set DS_RECYCLE_CHECK_ORDER alike"),
+])
+def test_a_message_taken_out_of_order_is_refused_naming_both(mode: str, refusal: str) -> None:
     """Messages match per pair in posting order (no tags); with the order check on, asking for the second message
-    first fails at once instead of filling the buffer with the first."""
-    outs = spawn(2, [str(REPO / "tests" / "engine" / "_tuple_p2p_job.py"), "misordered"], timeout=90)
-    assert ("REFUSED message order broken: rank 0's next message to this worker is the activation of micro-batch "
-            "0.0, iteration 0; this worker expected the activation of micro-batch 0.1, iteration 0") in outs[1], outs
+    first fails at once instead of filling the buffer with the first; so does a job whose workers disagree on the
+    check."""
+    outs = spawn(2, [str(REPO / "tests" / "engine" / "_tuple_p2p_job.py"), mode], timeout=90)
+    assert f"REFUSED {refusal}" in outs[1], outs

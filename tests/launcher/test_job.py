@@ -130,9 +130,9 @@ def test_exported_env(tmp_path: Path) -> None:
     env_file = tmp_path / ".deepspeed_env"
     env_file.write_text("NCCL_X=1\n# comment\nFOO=bar=baz\n")
     env = {"PYTHONPATH": "/p", "DS_ACCELERATOR": "cpu", "HOME": "/h", "CUDA_VISIBLE_DEVICES": "0",
-           "DS_RECYCLE_STORE": "x:1", "OMP_NUM_THREADS": "1"}
+           "DS_RECYCLE_STORE": "x:1", "OMP_NUM_THREADS": "1", "DS_RECYCLE_CHECK_ORDER": "1"}
     assert exported_env(env, (env_file,)) == {"PYTHONPATH": "/p", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                                              "NCCL_X": "1", "FOO": "bar=baz"}
+                                              "DS_RECYCLE_CHECK_ORDER": "1", "NCCL_X": "1", "FOO": "bar=baz"}
 
 
 def test_multi_host_needs_a_reachable_master_addr(tmp_path: Path) -> None:
