@@ -14,8 +14,8 @@ with blocking sends (a gloo send is a rendezvous). Here:
   message taken out of order fails at once, naming both (the test suite runs this way);
 - a payload is one tensor or a tuple of tensors (:data:`Payload`) of any dtype in :data:`DTYPES`; a
   tuple travels as one message per element, posted together;
-- the first activation a worker sends to a given peer is preceded by a small header (tuple or not, and
-  each tensor's dtype and shape); the receiver caches it per peer. Gradients need no header: they have
+- the first activation a worker sends to a given peer is preceded by a small header (tuple or not, each
+  tensor's dtype and shape, and whether the sender names its messages); the receiver caches it per peer. Gradients need no header: they have
   the shapes of the floating-point tensors of the activation that went the other way.
 """
 from __future__ import annotations
