@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,9 @@ def test_worker_pids_finds_a_real_child_by_its_rank() -> None:
     try:
         assert parent.stdout is not None
         kid = int(parent.stdout.readline())
+        deadline = time.monotonic() + 20.0  # the child shows RANK once it has exec'd (on a busy machine, later)
+        while worker_pids(parent.pid) != {5: kid} and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert worker_pids(parent.pid) == {5: kid}
     finally:
         os.killpg(parent.pid, 9)
