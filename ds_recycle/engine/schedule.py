@@ -403,9 +403,10 @@ def _place_served(steps: list[list[PipeInstruction]], served: Sequence[PipeInstr
     by_receiver: dict[int, dict[_Message, PipeInstruction]] = {}
     for cmd in served:
         by_receiver.setdefault(cmd.kwargs["peer"], {})[(cmd.kwargs["grad"], tuple(cmd.kwargs["micro_batch"]))] = cmd
+    wanted = {receiver: receives(receiver) for receiver in by_receiver}
     for receiver, logged in by_receiver.items():
         previous: _Message | None = None
-        for message in receives(receiver):
+        for message in wanted[receiver]:
             cmd = logged.get(message)
             if cmd is None:
                 previous = message
@@ -425,8 +426,8 @@ def _place_served(steps: list[list[PipeInstruction]], served: Sequence[PipeInstr
                     k += 1
     if first:
         steps.insert(1, first)
-    for receiver in by_receiver:
-        sent, want = _sent_to(steps, receiver), receives(receiver)
+    for receiver, want in wanted.items():
+        sent = _sent_to(steps, receiver)
         if sent != want:
             raise PlanNotRunnableError(f"repair: rank {me} would send rank {receiver} {sent} but it receives {want} "
                                        "from it in that order")
