@@ -24,5 +24,5 @@ setup(
         "etcd3gw>=2.7",
     ],
     extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "ruff==0.17.6", "mypy==2.4.1"]},
-    entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:main"]},
+    entry_points={"console_scripts": ["ds-recycle=ds_recycle.cli:console"]},
 )

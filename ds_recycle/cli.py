@@ -20,6 +20,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 #: sub-command -> (module that implements it, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -53,5 +54,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(module.run(args))
 
 
+def console() -> NoReturn:
+    """The ``ds-recycle`` console script: :func:`main`, then leave without the interpreter's module teardown
+    (:mod:`ds_recycle.launcher.leave`: a launcher that imported torch spends seconds in it after its job ended)."""
+    from ds_recycle.launcher.leave import leave
+
+    try:
+        code = main()
+    except SystemExit as stop:
+        leave(stop.code)
+    leave(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -27,3 +27,6 @@ fi
 echo "setup: installing ds_recycle and its dependencies"
 "${PIP[@]}" -e "$ROOT[test]"
 "$VENV/bin/python" -c "import torch, deepspeed; print(f'setup: torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
+# Byte-compile the package once: where PYTHONDONTWRITEBYTECODE is set, every worker process
+# would otherwise compile ds_recycle's sources again at each start.
+"$VENV/bin/python" -m compileall -q "$ROOT/ds_recycle" "$ROOT/launch" >/dev/null

@@ -11,7 +11,9 @@ train starts on a detached WORLD, a job that fell back to a checkpoint starts un
 DeepSpeed's CPU shared-memory op is not JIT-compiled, and a CPU worker computes on one thread. The script's
 ``PipelineModule`` construction (with its group creations) then runs unchanged, also in a restarted worker:
 nothing in the user's script changes. DeepSpeed is patched when the script first imports it, so a script
-that does not use DeepSpeed pays nothing.
+that does not use DeepSpeed pays nothing. Once the script is done (returned or called ``sys.exit``), the worker
+leaves through :func:`ds_recycle.launcher.leave.leave`: threads joined, ``atexit`` run, files flushed, the same
+exit status, without the seconds of module teardown.
 """
 from __future__ import annotations
 
@@ -121,4 +123,10 @@ def _leave_as_lost_if_a_peer_died_in_start_up() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from ds_recycle.launcher.leave import leave
+
+    try:
+        main()
+    except SystemExit as stop:
+        leave(stop.code)
+    leave(0)

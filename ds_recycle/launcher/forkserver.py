@@ -180,6 +180,8 @@ class ForkServer:
                 else:
                     self._replies.append(message)
                 self._lock.notify_all()
+            if "exit" in message:  # wake the launcher as a child's own exit would (its wait ends on SIGCHLD)
+                os.kill(os.getpid(), signal.SIGCHLD)
 
 
 # ---------------------------------------------------------------------------------------------- the server
@@ -257,8 +259,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         importlib.import_module(module)
     with socket.socket(fileno=int(fd)) as sock:
         request = _serve(sock)
-    if request is not None:  # a forked worker: run it as this process's main program, then exit as Python does
-        _run_worker(request)
+    if request is None:  # the launcher closed the socket: nothing to flush, no module teardown to wait for
+        os._exit(0)
+    _run_worker(request)  # a forked worker: run the bootstrap as this process's main program (it ends the process)
 
 
 if __name__ == "__main__":
