@@ -1,0 +1,340 @@
+"""What ds_recycle does on a GPU, checked by one command that prints one table.
+
+    python benchmarks/gpu_check.py [--wheels DIR] [--out FILE] [--repeats 5]   # a machine with a GPU
+    python benchmarks/gpu_check.py --dry-run                                   # any machine, on CPU (CI)
+
+Each part runs in a subprocess of its own under a hard time limit, so a hang fails its row and never the script:
+
+(a) the default GPT at 2 x 2 on one shared GPU (host-staged transport), compared with its CPU run, and a worker
+    SIGKILLed from outside ending at the failure-free model;
+(b) what the B/W split costs on real kernels: F + B + W against F + fused backward for a stack of GPT blocks in
+    bf16 (d_model 4096, sequence 2048, micro-batches 1, 2 and 4): milliseconds, peak memory, the ratio, and how
+    far the split's gradients are from the fused ones;
+(c) NCCL on one rank: a communicator built the way the engine's epochs build theirs (unregistered, nonblocking,
+    eager connect, a fresh store prefix each time), aborted and built again five times, with timings; then a
+    receive nobody sends, aborted, and the GPU checked healthy afterwards;
+(d) with two or more GPUs, an NCCL 2 x 1 job with an outside kill.
+
+A part that cannot run here says why in its row ("not run: ..."); it is never counted as passed. The script exits 1
+when a part that ran failed.
+
+``--dry-run`` runs the same code on CPU at a tiny size so that it cannot rot (``tests/benchmarks``): (b) with
+d_model 128, sequence 64; (c) on gloo, whose abort cannot release a pending receive, so that half is not run.
+``--wheels DIR`` first installs the wheels in DIR (``pip --no-index --no-deps --target``) for the parts'
+subprocesses: a GPU machine without network gets DeepSpeed that way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PART_TIMEOUT_S = {"b": 240.0, "c": 120.0}
+_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
+"""What keeps torch's NCCL watchdog from taking a process down when a communicator is aborted on purpose."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: the part, what it measured, and ``ok``, ``FAILED: ...`` or ``not run: ...``."""
+
+    part: str
+    setting: str
+    result: str
+    status: str
+
+    @property
+    def failed(self) -> bool:
+        return self.status.startswith("FAILED")
+
+
+# ---------------------------------------------------------------------------------------------- (b) the split
+@dataclass(frozen=True)
+class SplitSize:
+    d_model: int
+    seq: int
+    heads: int
+    layers: int
+    micro_batches: tuple[int, ...]
+
+
+GPU_SPLIT = SplitSize(d_model=4096, seq=2048, heads=32, layers=4, micro_batches=(1, 2, 4))
+DRY_SPLIT = SplitSize(d_model=128, seq=64, heads=4, layers=2, micro_batches=(1, 2))
+
+
+def _split_part(dry: bool, repeats: int) -> list[dict[str, Any]]:
+    """(b): per micro-batch size, medians of F, fused backward, B and W (ms), peak memory of each way, the gradient
+    difference."""
+    import torch
+
+    from ds_recycle.config import GPTConfig
+    from ds_recycle.engine.backward import OwnerCapture, backward_fused, backward_input
+    from ds_recycle.model.gpt import Block
+
+    size = DRY_SPLIT if dry else GPU_SPLIT
+    device = torch.device("cpu" if dry else "cuda")
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, seq_len=size.seq, n_layer=size.layers, d_model=size.d_model, n_head=size.heads)
+    stack = torch.nn.Sequential(*[Block(cfg) for _ in range(size.layers)]).to(device=device, dtype=torch.bfloat16)
+    capture = OwnerCapture(stack)
+    params = list(stack.parameters())
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def clock(fn: Callable[[], Any]) -> tuple[Any, float]:
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        return out, (time.perf_counter() - start) * 1e3
+
+    def peak_reset() -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib() -> float:
+        return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+
+    def grads() -> list[torch.Tensor]:
+        out = [p.grad.detach().float().clone() if p.grad is not None else torch.zeros(1) for p in params]
+        for p in params:
+            p.grad = None
+        return out
+
+    rows = []
+    for mb in size.micro_batches:
+        x = torch.randn(mb, size.seq, size.d_model, device=device, dtype=torch.bfloat16)
+        g = torch.randn_like(x)
+
+        def fused(x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, float], list[torch.Tensor], float]:
+            peak_reset()
+            inp = x.clone().requires_grad_(True)
+            out, f_ms = clock(lambda: stack(inp))
+            _, b_ms = clock(lambda: backward_fused(out, g, inp, capture))
+            return {"F": f_ms, "fused": b_ms}, grads(), peak_gib()
+
+        def split(x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, float], list[torch.Tensor], float]:
+            peak_reset()
+            inp = x.clone().requires_grad_(True)
+            with capture.capture() as captured:
+                out, f_ms = clock(lambda: stack(inp))
+            (_, work), b_ms = clock(lambda: backward_input(out, g, inp, captured, capture))
+            _, w_ms = clock(work.run)
+            return {"F": f_ms, "B": b_ms, "W": w_ms}, grads(), peak_gib()
+
+        for _ in range(2):  # warm-up: kernels chosen, allocator grown
+            fused(x, g)
+            split(x, g)
+        times: dict[str, list[float]] = {}
+        peaks: dict[str, float] = {"fused": 0.0, "split": 0.0}
+        diff = 0.0
+        for _ in range(repeats):  # alternated, so both ways see the same machine
+            tf, gf, pf = fused(x, g)
+            ts, gs, ps = split(x, g)
+            for k, v in tf.items():
+                times.setdefault(f"fused.{k}", []).append(v)
+            for k, v in ts.items():
+                times.setdefault(f"split.{k}", []).append(v)
+            peaks = {"fused": max(peaks["fused"], pf), "split": max(peaks["split"], ps)}
+            diff = max(diff, max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(gs, gf)))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"micro_batch": mb, **med, "peak_fused_gib": peaks["fused"], "peak_split_gib": peaks["split"],
+                     "ratio": (med["split.F"] + med["split.B"] + med["split.W"]) / (med["fused.F"] + med["fused.fused"]),
+                     "max_rel_grad_diff": diff})
+    return rows
+
+
+def _split_rows(result: list[dict[str, Any]], dry: bool) -> list[Row]:
+    size = DRY_SPLIT if dry else GPU_SPLIT
+    out = []
+    for r in result:
+        setting = (f"{size.layers} blocks d{size.d_model} s{size.seq} bf16 mb {r['micro_batch']}"
+                   f"{' (CPU, dry run)' if dry else ''}")
+        peak = "n/a on CPU" if dry else f"{r['peak_fused_gib']:.2f} / {r['peak_split_gib']:.2f} GiB"
+        result_text = (f"F {r['fused.F']:.1f} + fused {r['fused.fused']:.1f} ms; F {r['split.F']:.1f} + B "
+                       f"{r['split.B']:.1f} + W {r['split.W']:.1f} ms; ratio {r['ratio']:.3f}; peak (fused / split) "
+                       f"{peak}; grad diff {r['max_rel_grad_diff']:.1e}")
+        # bf16 sums in another order differ by a few units of its last place (2^-8 of the largest gradient)
+        ok = r["max_rel_grad_diff"] <= 2.0**-6
+        out.append(Row("b", setting, result_text, "ok" if ok else "FAILED: split gradients differ from fused"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- (c) NCCL
+def _nccl_part(dry: bool, rounds: int = 5) -> dict[str, Any]:
+    """(c): build, abort, rebuild ``rounds`` times (seconds each); then an unmatched receive and its abort."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    device = torch.device("cpu" if dry else "cuda:0")
+
+    def build(prefix: str) -> Any:
+        pstore = dist.PrefixStore(prefix, store)
+        if dry:
+            return dist.ProcessGroupGloo(pstore, 0, 1)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.blocking = 0
+        pg = dist.ProcessGroupNCCL(pstore, 0, 1, opts)
+        pg.eager_connect_single_device(device)
+        return pg
+
+    def sync() -> None:
+        if not dry:
+            torch.cuda.synchronize()
+
+    builds, aborts = [], []
+    for k in range(rounds):
+        start = time.perf_counter()
+        pg = build(f"epoch{k}/")
+        x = torch.full((4,), float(k + 1), device=device)
+        pg.allreduce([x]).wait()
+        sync()
+        builds.append(time.perf_counter() - start)
+        if float(x.sum()) != 4.0 * (k + 1):
+            raise RuntimeError(f"all-reduce on one rank gave {x.tolist()}")
+        start = time.perf_counter()
+        pg.abort()
+        sync()
+        aborts.append(time.perf_counter() - start)
+    out: dict[str, Any] = {"builds_s": builds, "aborts_s": aborts}
+    if dry:
+        return out
+    pg = build("unmatched/")
+    buf = torch.empty(1 << 20, device=device)
+    work = pg.recv([buf], 0, 0)  # from itself, never sent
+    time.sleep(1.0)
+    out["unmatched_completed_after_1s"] = bool(work.is_completed())
+    start = time.perf_counter()
+    pg.abort()
+    torch.cuda.synchronize()
+    out["unmatched_abort_s"] = time.perf_counter() - start
+    y = torch.arange(8.0, device=device) * 2
+    out["healthy_after"] = float(y.sum()) == 56.0
+    return out
+
+
+def _nccl_rows(result: dict[str, Any], dry: bool) -> list[Row]:
+    backend = "gloo, CPU (dry run)" if dry else "NCCL, cuda:0"
+    b, a = result["builds_s"], result["aborts_s"]
+    rows = [Row("c", f"one rank, {backend}: build + all-reduce, abort, x{len(b)}",
+                f"build {b[0]:.3f} s first, {statistics.median(b[1:]):.3f} s median after; abort median "
+                f"{statistics.median(a):.3f} s", "ok")]
+    if dry:
+        rows.append(Row("c", "one rank: a receive nobody sends, aborted", "-",
+                        "not run: gloo's abort cannot release a pending receive (NCCL only)"))
+    else:
+        healthy = result["healthy_after"]
+        rows.append(Row("c", "one rank, NCCL: a receive nobody sends, aborted",
+                        f"completed after 1 s: {result['unmatched_completed_after_1s']}; abort + synchronize "
+                        f"{result['unmatched_abort_s']:.3f} s; CUDA healthy after: {healthy}",
+                        "ok" if healthy else "FAILED: CUDA unusable after the abort"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- driver
+_PARTS: dict[str, Callable[..., Any]] = {"b": _split_part, "c": _nccl_part}
+
+
+def _run_part(part: str, dry: bool, repeats: int, env: dict[str, str]) -> tuple[Any, str | None]:
+    """The part's JSON result from a subprocess, or (None, why it failed)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--repeats", str(repeats)]
+    argv += ["--dry-run"] if dry else []
+    limit = PART_TIMEOUT_S[part]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return None, f"FAILED: no answer within {limit:.0f} s (a hang)"
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return None, f"FAILED: exit {done.returncode}: {' | '.join(tail)}"
+    return json.loads(lines[-1][len("RESULT "):]), None
+
+
+def _install_wheels(folder: Path) -> str:
+    """Install every wheel of ``folder`` into a fresh target directory; returns it (for PYTHONPATH)."""
+    wheels = sorted(str(p) for p in folder.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"gpu_check: --wheels {folder}: no .whl file there")
+    target = tempfile.mkdtemp(prefix="gpu_check_site_")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", target, *wheels], check=True)
+    return target
+
+
+def check(dry: bool, repeats: int, wheels: Path | None) -> list[Row]:
+    env = {**os.environ, **_NCCL_ENV, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *([_install_wheels(wheels)] if wheels else []), os.environ.get("PYTHONPATH", "")])}
+    env.setdefault("OMP_NUM_THREADS", "1" if dry else env.get("OMP_NUM_THREADS", "8"))
+    gpus = 0 if dry else _gpus()
+    rows: list[Row] = []
+    why_not = "no CUDA device" if not dry and gpus == 0 else None
+    rows.append(Row("a", "default GPT 2 x 2 on one shared GPU, host-staged", "-",
+                    "not run: the engine is CPU-only so far (no device-generic engine, no host-staged transport)"))
+    for part, to_rows in (("b", _split_rows), ("c", _nccl_rows)):
+        if why_not is not None:
+            rows.append(Row(part, "-", "-", f"not run: {why_not}"))
+            continue
+        result, failure = _run_part(part, dry, repeats, env)
+        rows += to_rows(result, dry) if failure is None else [Row(part, "-", "-", failure)]
+    rows.append(Row("d", "NCCL 2 x 1, a worker killed from outside", "-",
+                    "not run: " + ("needs two GPUs" if gpus < 2 else "no NCCL transport in the engine yet")))
+    return rows
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def table(rows: list[Row]) -> str:
+    width = {f: max(len(f), *(len(getattr(r, f)) for r in rows)) for f in ("part", "setting", "result")}
+    lines = [f"{'part':<{width['part']}}  {'setting':<{width['setting']}}  {'result':<{width['result']}}  status"]
+    lines += [f"{r.part:<{width['part']}}  {r.setting:<{width['setting']}}  {r.result:<{width['result']}}  {r.status}"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="on CPU at a tiny size (what CI runs)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats of (b), alternated (default 5)")
+    p.add_argument("--wheels", type=Path, default=None, help="install these wheels for the parts first")
+    p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    p.add_argument("--part", choices=sorted(_PARTS), default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: give 1 or more")
+    if args.part is not None:  # one part, in the subprocess the driver started
+        sys.path.insert(0, str(ROOT))
+        kwargs = {"repeats": args.repeats} if args.part == "b" else {}
+        print("RESULT " + json.dumps(_PARTS[args.part](args.dry_run, **kwargs)), flush=True)
+        return 0
+    began = time.perf_counter()
+    rows = check(args.dry_run, args.repeats, args.wheels)
+    head = (f"gpu_check{' --dry-run (CPU)' if args.dry_run else ''}: {platform.node()}, {platform.machine()}, "
+            f"python {platform.python_version()}; {time.perf_counter() - began:.0f} s")
+    text = head + "\n" + table(rows)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 1 if any(r.failed for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
