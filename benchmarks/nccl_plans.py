@@ -1,4 +1,4 @@
-"""Which plans the engine would run can go over NCCL point-to-point as lowered today (engine/nccl_check.py).
+"""Which plans the engine would run can go over NCCL point-to-point (engine/nccl_check.py).
 
     .venv/bin/python benchmarks/nccl_plans.py [--out FILE]
 
@@ -6,7 +6,8 @@ The sweep of ``benchmarks/plan_w_order.py`` (the plan cache the failure handler 
 2S, the three schedules, uniform and random costs, no, one and some pairs of failed workers): for each plan, whether
 every pair's messages are received in the order they are sent (FIFO matching without tags) and whether NCCL's wait
 model (a group of transfers completes once all of them are matched; compute between transfers splits groups) lets
-every worker finish. Static: no process, no GPU.
+every worker finish, as the engine issues the transfers today and issued in match order
+(:func:`ds_recycle.engine.nccl_check.in_match_order`). Static: no process, no GPU.
 """
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.plan_sweep import sweep  # noqa: E402
-from ds_recycle.engine.nccl_check import NcclPlanError, check_order, check_waits, p2p_program  # noqa: E402
+from ds_recycle.engine.nccl_check import (  # noqa: E402
+    NcclPlanError,
+    batches_as_issued,
+    check_order,
+    check_waits,
+    in_match_order,
+    timeline,
+)
 
 
 def main() -> int:
@@ -30,23 +38,28 @@ def main() -> int:
     first: dict[tuple[str, str], str] = {}
     began = time.perf_counter()
     for swept in sweep(("1f1b", "zb-h1", "adaptive")):
-        program = p2p_program(swept.plan)
+        lines_ = timeline(swept.plan)
+        program = {rank: batches_as_issued(items) for rank, items in lines_.items()}
+        ordered = in_match_order(lines_)
         case = "failure-free" if not swept.failed else "with failures"
-        for name, check in (("order", check_order), ("waits", check_waits)):
+        for name, check, prog in (("order", check_order, program), ("waits", check_waits, program),
+                                  ("ordered order", check_order, ordered), ("ordered waits", check_waits, ordered)):
             try:
-                check(program)
+                check(prog)
                 count[(swept.schedule, case, name + " ok")] += 1
             except NcclPlanError as e:
                 count[(swept.schedule, case, name + " bad")] += 1
                 first.setdefault((swept.schedule, name), f"  {swept.describe()}: {str(e)[:300]}")
     lines = [f"machine: 2-core CPU VM; static, no training; {time.perf_counter() - began:.0f} s; command: "
              ".venv/bin/python benchmarks/nccl_plans.py",
-             f"{'schedule':<9} {'plans':<14} {'checked':>7} {'order ok':>8} {'no wait cycle':>13}"]
+             f"{'schedule':<9} {'plans':<14} {'checked':>7} {'order ok':>8} {'no wait cycle':>13} "
+             f"{'in match order: order ok':>24} {'no wait cycle':>13}"]
     for schedule in ("1f1b", "zb-h1", "adaptive"):
         for case in ("failure-free", "with failures"):
             ok_o, bad_o = count[(schedule, case, "order ok")], count[(schedule, case, "order bad")]
             ok_w = count[(schedule, case, "waits ok")]
-            lines.append(f"{schedule:<9} {case:<14} {ok_o + bad_o:>7} {ok_o:>8} {ok_w:>13}")
+            ok_mo, ok_mw = count[(schedule, case, "ordered order ok")], count[(schedule, case, "ordered waits ok")]
+            lines.append(f"{schedule:<9} {case:<14} {ok_o + bad_o:>7} {ok_o:>8} {ok_w:>13} {ok_mo:>24} {ok_mw:>13}")
     lines.append("first violation of each kind:")
     lines += [first[k] for k in sorted(first)] or ["  none"]
     print("\n".join(lines))

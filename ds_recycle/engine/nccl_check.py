@@ -16,11 +16,17 @@ into such *batches*, and asks two questions:
    its counterpart posted by the peer (the peer's current batch or an earlier one), and compute completes at once:
    does every worker reach its end? If not, the workers stuck and what each waits for are named.
 
-:func:`check_plan` raises :class:`NcclPlanError` on the first violation; :func:`p2p_program` gives the batches.
+Issued as the engine issues them today, many plans with failed workers do have such cycles (``benchmarks/
+nccl_plans.py``). :func:`in_match_order` gives an order that has none for any plan that runs with buffered sends:
+every rank issues its transfers in the order they match in such a run (:func:`match_order`), so all the ranks'
+streams follow one global order.
+
+:func:`check_plan` raises :class:`NcclPlanError` on the first violation; :func:`p2p_program` gives the batches as
+issued, :func:`timeline` the transfers and computes they are cut from.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -36,7 +42,8 @@ from ds_recycle.engine.instructions import (
 )
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, Worker
 
-__all__ = ["Transfer", "NcclPlanError", "dense_ranks", "p2p_program", "check_order", "check_waits", "check_plan"]
+__all__ = ["Compute", "Item", "Transfer", "NcclPlanError", "batches_as_issued", "dense_ranks", "p2p_program", "timeline",
+           "match_order", "in_match_order", "check_order", "check_waits", "check_plan"]
 
 _P2P = {SendActivationTo: ("send", "activation"), SendGradTo: ("send", "grad"),
         RecvActivationFrom: ("recv", "activation"), RecvGradFrom: ("recv", "grad")}
@@ -73,17 +80,27 @@ def dense_ranks(plan: PlanLike) -> dict[Worker, int]:
     return {w: r for r, w in enumerate(live)}
 
 
-def p2p_program(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], int] | None = None,
-                repair: Repair | None = None) -> dict[int, list[list[Transfer]]]:
-    """Every live worker's point-to-point operations of ``iteration``, by rank, in batches (see the module
-    docstring); with ``repair``, those of the repair of an interrupted ``iteration`` (a tensor a worker takes from
-    its own log is no transfer)."""
+@dataclass(frozen=True)
+class Compute:
+    """A compute instruction of a worker, between its transfers (``what`` names it in messages)."""
+
+    what: str
+
+
+Item = Transfer | Compute
+"""One entry of a worker's :func:`timeline`."""
+
+
+def timeline(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], int] | None = None,
+             repair: Repair | None = None) -> dict[int, list[Item]]:
+    """Every live worker's transfers and computes of ``iteration`` in the order the engine issues them, by rank;
+    with ``repair``, those of the repair of an interrupted ``iteration`` (a tensor a worker takes from its own log
+    is no transfer; a ``BackwardWeight`` that only frees the buffer of a fused backward is no compute)."""
     ranks = dense_ranks(plan)
     number = rank_of if rank_of is not None else ranks.__getitem__
-    program: dict[int, list[list[Transfer]]] = {}
+    out: dict[int, list[Item]] = {}
     for worker in ranks:
-        batches: list[list[Transfer]] = []
-        current: list[Transfer] = []
+        items: list[Item] = []
         fused: set[int] = set()  # buffers whose W ran inside a fused backward: their BackwardWeight only frees them
         for step in PlanSchedule(plan, worker, number, iteration, repair=repair).steps():
             for cmd in step:
@@ -96,15 +113,114 @@ def p2p_program(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], 
                     elif isinstance(cmd, BackwardWeight) and cmd.kwargs["buffer_id"] in fused:
                         fused.discard(cmd.kwargs["buffer_id"])
                         continue  # no compute: the transfers around it can travel together
-                    if current:
-                        batches.append(current)
-                        current = []
+                    items.append(Compute(type(cmd).__name__))
                     continue
                 mb = cmd.kwargs["micro_batch"]
-                current.append(Transfer(kind[0], int(cmd.kwargs["peer"]), kind[1], (int(mb[0]), int(mb[1]))))
+                items.append(Transfer(kind[0], int(cmd.kwargs["peer"]), kind[1], (int(mb[0]), int(mb[1]))))
+        out[number(worker)] = items
+    return out
+
+
+def batches_as_issued(items: list[Item]) -> list[list[Transfer]]:
+    """A worker's transfers cut into batches at its computes (what travels together as the engine issues it)."""
+    batches: list[list[Transfer]] = []
+    current: list[Transfer] = []
+    for item in items:
+        if isinstance(item, Compute):
+            if current:
+                batches.append(current)
+                current = []
+        else:
+            current.append(item)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def p2p_program(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], int] | None = None,
+                repair: Repair | None = None) -> dict[int, list[list[Transfer]]]:
+    """Every live worker's point-to-point operations of ``iteration``, by rank, in batches as the engine issues
+    them (see the module docstring and :func:`timeline`)."""
+    return {rank: batches_as_issued(items) for rank, items in timeline(plan, iteration, rank_of, repair).items()}
+
+
+def match_order(lines: Mapping[int, list[Item]]) -> dict[int, list[int]]:
+    """For every rank, the positions of its transfers in :func:`timeline` ordered by when they match in a run where
+    sends never wait (gloo's buffered sends) and computes take no time: each rank runs until a receive finds no
+    message posted for it, and a receive matches the oldest message its sender posted to it (per-pair FIFO).
+
+    Raises :class:`NcclPlanError` if some rank can never go on (the plan deadlocks even with buffered sends)."""
+    posted: dict[tuple[int, int], deque[tuple[int, int]]] = defaultdict(deque)
+    at = {rank: 0 for rank in lines}
+    matched: dict[tuple[int, int], int] = {}
+    clock = 0
+    moved = True
+    while moved:
+        moved = False
+        for rank, items in lines.items():
+            while at[rank] < len(items):
+                item = items[at[rank]]
+                if isinstance(item, Transfer) and item.kind == "send":
+                    posted[(rank, item.peer)].append((rank, at[rank]))
+                elif isinstance(item, Transfer):
+                    queue = posted[(item.peer, rank)]
+                    if not queue:
+                        break
+                    matched[queue.popleft()] = matched[(rank, at[rank])] = clock
+                    clock += 1
+                at[rank] += 1
+                moved = True
+    stuck = {rank: items[at[rank]] for rank, items in lines.items() if at[rank] < len(items)}
+    if stuck:
+        raise NcclPlanError("the plan deadlocks even with sends that never wait: "
+                            + "; ".join(f"rank {rank} at {item}" for rank, item in sorted(stuck.items())))
+    return {rank: sorted((k for k, item in enumerate(items) if isinstance(item, Transfer)),
+                         key=lambda k, r=rank: matched[(r, k)])  # type: ignore[misc]
+            for rank, items in lines.items()}
+
+
+def in_match_order(lines: Mapping[int, list[Item]]) -> dict[int, list[list[Transfer]]]:
+    """Each rank's transfers issued in :func:`match_order`, cut into batches: the rank computes as soon as the
+    receives its next compute needs are issued (a send waits for the compute before it in the timeline, a receive
+    is issued before the compute after it), and the transfers between two computes travel together.
+
+    Every rank's stream then holds its transfers in one global order (the order they matched), so no batch waits
+    on a batch that waits on it: the program has no wait cycle under NCCL's matching whatever the plan, at the cost
+    of sends that wait for receives an earlier match order put before them."""
+    order = match_order(lines)
+    program: dict[int, list[list[Transfer]]] = {}
+    for rank, items in lines.items():
+        computes_before = [0] * len(items)
+        seen = 0
+        for k, item in enumerate(items):
+            computes_before[k] = seen
+            seen += isinstance(item, Compute)
+        needs = [0] * (seen + 1)  # per compute, how many receives it waits for
+        for k, item in enumerate(items):
+            if isinstance(item, Transfer) and item.kind == "recv":
+                needs[computes_before[k]] += 1
+        batches: list[list[Transfer]] = []
+        current: list[Transfer] = []
+        done = 0
+        queue = list(order[rank])
+        while queue or done < seen:
+            if done < seen and needs[done] == 0:  # the next compute has its inputs: run it
+                if current:
+                    batches.append(current)
+                    current = []
+                done += 1
+                continue
+            k = queue.pop(0)
+            item = items[k]
+            assert isinstance(item, Transfer)
+            if item.kind == "send" and computes_before[k] > done:
+                raise NcclPlanError(f"rank {rank}: {item} matched before the compute that produces it ran")
+            if item.kind == "recv":
+                needs[computes_before[k]] -= 1
+            current.append(item)
         if current:
             batches.append(current)
-        program[number(worker)] = batches
+        program[rank] = batches
     return program
 
 

@@ -5,7 +5,18 @@ import itertools
 
 import pytest
 
-from ds_recycle.engine.nccl_check import NcclPlanError, Transfer, check_order, check_plan, check_waits, p2p_program
+from ds_recycle.engine.nccl_check import (
+    Compute,
+    NcclPlanError,
+    Transfer,
+    check_order,
+    check_plan,
+    check_waits,
+    in_match_order,
+    match_order,
+    p2p_program,
+    timeline,
+)
 from ds_recycle.plan import CostModel, PlanCache, make_plan
 
 
@@ -26,6 +37,27 @@ def test_head_to_head_sends_deadlock_and_a_group_does_not() -> None:
     check_waits(grouped)  # one batch each: both complete together
 
 
+def test_in_match_order_the_crossed_sends_travel_with_the_receives_they_wait_for() -> None:
+    """Each rank computes, sends, computes, then receives: issued so, the sends deadlock. In match order (rank 0
+    runs first, so its activation is the first message to match) rank 1 takes the activation before it sends its
+    gradient, and rank 0 sends and receives in one batch."""
+    f, b = Compute("ForwardPass"), Compute("BackwardInput")
+    lines = {0: [f, _send(1, 0), f, _recv(1, 1, "grad"), b], 1: [b, Transfer("send", 0, "grad", (0, 1)), f,
+                                                                 _recv(0, 0), f]}
+    with pytest.raises(NcclPlanError, match="deadlocks"):
+        check_waits({rank: [[t] for t in items if isinstance(t, Transfer)] for rank, items in lines.items()})
+    assert match_order(lines) == {0: [1, 3], 1: [3, 1]}
+    program = in_match_order(lines)
+    assert program == {0: [[_send(1, 0), _recv(1, 1, "grad")]], 1: [[_recv(0, 0)], [Transfer("send", 0, "grad", (0, 1))]]}
+    check_waits(program)
+
+
+def test_a_plan_that_deadlocks_even_with_buffered_sends_is_named() -> None:
+    lines = {0: [_recv(1, 0), _send(1, 1)], 1: [_recv(0, 1), _send(0, 0)]}
+    with pytest.raises(NcclPlanError, match="even with sends that never wait: rank 0 at recv activation 0.0"):
+        match_order(lines)
+
+
 def test_messages_out_of_order_between_a_pair_are_named() -> None:
     with pytest.raises(NcclPlanError, match="first differ at message 0: sent \\('activation', \\(0, 1\\)\\)"):
         check_order({0: [[_send(1, 1)], [_send(1, 0)]], 1: [[_recv(0, 0)], [_recv(0, 1)]]})
@@ -44,7 +76,8 @@ def test_a_failure_free_pipeline_passes_and_its_batches_are_the_steps_joints() -
 def test_every_plan_of_the_grid_keeps_each_pairs_order(schedule: str) -> None:
     """Every plan the engine would run (the plan cache: shapes 2x2..4x2, M = S and 2S, no, one and two failed
     workers) sends each pair's messages in the order the receiver takes them: FIFO matching delivers the right
-    tensor without tags. Failure-free 1F1B and ZB-H1 plans also have no wait cycle under NCCL's blocking p2p."""
+    tensor without tags. Failure-free 1F1B and ZB-H1 plans also have no wait cycle under NCCL's blocking p2p as
+    the engine issues them, and every plan has none when its transfers are issued in match order."""
     checked = 0
     for stages, pipelines in [(2, 2), (2, 3), (3, 2), (4, 2)]:
         workers = [(p, s) for p in range(pipelines) for s in range(stages)]
@@ -57,5 +90,8 @@ def test_every_plan_of_the_grid_keeps_each_pairs_order(schedule: str) -> None:
                 check_order(program)
                 if not failed and schedule != "adaptive":
                     check_waits(program)
+                ordered = in_match_order(timeline(cache.get(failed)))
+                check_order(ordered)
+                check_waits(ordered)
                 checked += 1
     assert checked == 4 * 2 * 1 + sum(2 * (1 + s * d + 4) for s, d in [(2, 2), (2, 3), (3, 2), (4, 2)]) - 8

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from ds_recycle.engine import instructions as ins
-from ds_recycle.engine.nccl_check import check_order, p2p_program
+from ds_recycle.engine.nccl_check import check_order, check_waits, in_match_order, p2p_program, timeline
 from ds_recycle.engine.position import Position
 from ds_recycle.engine.schedule import PlanSchedule, Repair, WorkKind, repair_items, worker_items
 from ds_recycle.plan import CostModel, make_plan
@@ -45,9 +45,13 @@ def test_repair_keeps_finished_weight_gradients_and_runs_unfinished_work_over_it
 
 def _messages(plan, repair: Repair) -> tuple[Counter, Counter]:
     """Every send and every receive of the lowered repair schedules of all workers: (channel, src, dst, mb). Each
-    pair's messages must also be received in the order they are sent (they match in posting order)."""
+    pair's messages must also be received in the order they are sent (they match in posting order), and issued in
+    match order the repair has no wait cycle under NCCL's matching."""
     workers = WorkerMap.dense(plan.stages, plan.pipelines, frozenset(plan.failed))
     check_order(p2p_program(plan, 0, workers.rank_of, repair=repair))
+    ordered = in_match_order(timeline(plan, 0, workers.rank_of, repair=repair))
+    check_order(ordered)
+    check_waits(ordered)
     sends: Counter = Counter()
     recvs: Counter = Counter()
     for worker, rank in workers.ranks.items():
