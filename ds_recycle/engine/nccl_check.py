@@ -180,48 +180,66 @@ def match_order(lines: Mapping[int, list[Item]]) -> dict[int, list[int]]:
 
 
 def in_match_order(lines: Mapping[int, list[Item]]) -> dict[int, list[list[Transfer]]]:
-    """Each rank's transfers issued in :func:`match_order`, cut into batches: the rank computes as soon as the
-    receives its next compute needs are issued (a send waits for the compute before it in the timeline, a receive
-    is issued before the compute after it), and the transfers between two computes travel together.
+    """Each rank's transfers issued in :func:`match_order`, cut into batches at its computes.
+
+    A rank issues the next transfer of that order as soon as it may: a send once the compute before it in the
+    :func:`timeline` has run, a receive once the compute after it is next. It runs its next compute once every
+    receive that compute needs is issued. When neither can happen (a receive for a later compute comes first in
+    the order), it issues that receive early.
 
     Every rank's stream then holds its transfers in one global order (the order they matched), so no batch waits
     on a batch that waits on it: the program has no wait cycle under NCCL's matching whatever the plan, at the cost
-    of sends that wait for receives an earlier match order put before them."""
+    of sends that wait behind receives the match order put before them."""
     order = match_order(lines)
-    program: dict[int, list[list[Transfer]]] = {}
-    for rank, items in lines.items():
-        computes_before = [0] * len(items)
-        seen = 0
-        for k, item in enumerate(items):
-            computes_before[k] = seen
-            seen += isinstance(item, Compute)
-        needs = [0] * (seen + 1)  # per compute, how many receives it waits for
-        for k, item in enumerate(items):
-            if isinstance(item, Transfer) and item.kind == "recv":
-                needs[computes_before[k]] += 1
-        batches: list[list[Transfer]] = []
-        current: list[Transfer] = []
-        done = 0
-        queue = list(order[rank])
-        while queue or done < seen:
-            if done < seen and needs[done] == 0:  # the next compute has its inputs: run it
-                if current:
-                    batches.append(current)
-                    current = []
-                done += 1
-                continue
-            k = queue.pop(0)
-            item = items[k]
-            assert isinstance(item, Transfer)
-            if item.kind == "send" and computes_before[k] > done:
-                raise NcclPlanError(f"rank {rank}: {item} matched before the compute that produces it ran")
-            if item.kind == "recv":
-                needs[computes_before[k]] -= 1
-            current.append(item)
-        if current:
-            batches.append(current)
-        program[rank] = batches
-    return program
+    return {rank: _issue_in_order(rank, items, order[rank]) for rank, items in lines.items()}
+
+
+def _issue_in_order(rank: int, items: list[Item], order: list[int]) -> list[list[Transfer]]:
+    """:func:`in_match_order` for one rank: its timeline ``items`` and the positions of its transfers in match
+    order."""
+    computes_before = [0] * len(items)
+    seen = 0
+    for k, item in enumerate(items):
+        computes_before[k] = seen
+        seen += isinstance(item, Compute)
+    needs = [0] * (seen + 1)  # per compute, how many receives it waits for (the last entry: none follows)
+    for k, item in enumerate(items):
+        if isinstance(item, Transfer) and item.kind == "recv":
+            needs[computes_before[k]] += 1
+    batches: list[list[Transfer]] = []
+    current: list[Transfer] = []
+    queue = deque(order)
+    done = 0
+
+    def issue(k: int) -> None:
+        item = items[k]
+        assert isinstance(item, Transfer)
+        if item.kind == "send" and computes_before[k] > done:
+            raise NcclPlanError(f"rank {rank}: {item} matched before the compute that produces it ran")
+        if item.kind == "recv":
+            needs[computes_before[k]] -= 1
+        current.append(item)
+
+    def may_go(k: int) -> bool:
+        item = items[k]
+        assert isinstance(item, Transfer)
+        return computes_before[k] <= done if item.kind == "send" else computes_before[k] == done
+
+    while queue or done < seen:
+        while queue and may_go(queue[0]):
+            issue(queue.popleft())
+        if done < seen and needs[done] == 0:  # the next compute has its inputs: run it
+            if current:
+                batches.append(current)
+                current = []
+            done += 1
+        elif queue:
+            issue(queue.popleft())  # a receive for a later compute comes first: issue it early
+        else:
+            raise NcclPlanError(f"rank {rank}: compute {done} waits for receives that never come")
+    if current:
+        batches.append(current)
+    return batches
 
 
 def check_order(program: Mapping[int, list[list[Transfer]]]) -> None:
