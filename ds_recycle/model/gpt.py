@@ -105,8 +105,18 @@ def gpt_layer_specs(cfg: GPTConfig) -> list[LayerSpec]:
 
 
 def _seed_layer(seed: int) -> None:
-    # DeepSpeed passes a numpy integer here, which the stdlib's random.seed rejects.
-    torch.manual_seed(int(seed))
+    """DeepSpeed's ``seed_fn``: it runs at each layer's build and before each layer's forward.
+
+    With an accelerator this is ``torch.manual_seed`` (every device's generator). Without one, only the CPU
+    generator: ``torch.manual_seed`` would also queue a seed for each accelerator backend that is not initialised,
+    formatting a stack trace each time (a millisecond or more from a worker's deep stack, against a microsecond),
+    for devices that never start. Same CPU generator state either way. (DeepSpeed passes a numpy integer.)
+    """
+    value = int(seed)
+    if torch.cuda.is_available():
+        torch.manual_seed(value)
+    else:
+        torch.default_generator.manual_seed(value)
 
 
 def build_pipeline_module(cfg: GPTConfig, num_stages: int, **kwargs: object) -> PipelineModule:
