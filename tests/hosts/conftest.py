@@ -70,6 +70,15 @@ def reference_2x2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 
 
 @pytest.fixture(scope="session")
+def reference_2x3_short(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(config, final model) of a 2-stage x 3-pipeline job of SHORT_STEPS on one host (for a loss before the
+    first iteration, which needs no long run)."""
+    if namespaces_refused() is not None:
+        pytest.skip("several-hosts tests need network namespaces and sshd")
+    return _reference(tmp_path_factory.mktemp("ref2x3short"), 3, SHORT_STEPS)
+
+
+@pytest.fixture(scope="session")
 def reference_2x3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(config, final model) of a 2-stage x 3-pipeline job of LONG_STEPS on one host."""
     if namespaces_refused() is not None:

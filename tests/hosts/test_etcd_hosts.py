@@ -14,7 +14,7 @@ from ds_recycle.events import HostBackEvent, HostLostEvent, HostPartitionedEvent
 from tests.etcd_cluster import ETCD, EtcdCluster
 from tests.harness import assert_same_model
 from tests.hosts.cluster import HostJob
-from tests.hosts.conftest import LONG_STEPS
+from tests.hosts.conftest import LONG_STEPS, SHORT_STEPS
 from tests.hosts.test_host_failures import FENCE_BOUND_S, NODE_TIMEOUT_S, _wait_until, _workers
 from tests.nethosts import NetHosts
 
@@ -35,8 +35,8 @@ def etcd_hosts(nethosts: Callable[[int], NetHosts], tmp_path: Path) -> Iterator[
         cluster.close()
 
 
-def _job(hosts: NetHosts, cluster: EtcdCluster, folder: Path, config: Path) -> HostJob:
-    return HostJob(hosts, folder, config, LONG_STEPS, slots=2, worker_hosts=[0, 1, 2], node_timeout_s=NODE_TIMEOUT_S,
+def _job(hosts: NetHosts, cluster: EtcdCluster, folder: Path, config: Path, steps: int = LONG_STEPS) -> HostJob:
+    return HostJob(hosts, folder, config, steps, slots=2, worker_hosts=[0, 1, 2], node_timeout_s=NODE_TIMEOUT_S,
                    launcher_args=["--store", cluster.endpoints + "/hostjob"])
 
 
@@ -123,13 +123,14 @@ def test_a_cut_off_host_fences_itself_the_rest_go_on_and_two_hosts_lost_end_the_
 
 @pytest.mark.timeout(420)
 def test_a_host_lost_during_the_start_up_starts_it_again_once_back(
-        etcd_hosts: tuple[NetHosts, EtcdCluster], tmp_path: Path, reference_2x3: tuple[Path, Path]) -> None:
+        etcd_hosts: tuple[NetHosts, EtcdCluster], tmp_path: Path, reference_2x3_short: tuple[Path, Path]) -> None:
     """Host 2 (its launcher, workers and etcd member) is SIGKILLed while the workers start, before the first
     iteration. The watch's declaration restarts the start-up as generation 1; the others wait in it until host 2
-    boots again and its launcher restarts its ranks; the job ends at the failure-free model."""
+    boots again and its launcher restarts its ranks; the job ends at the failure-free model (a short job: all of
+    it runs after the loss)."""
     hosts, cluster = etcd_hosts
-    config, reference = reference_2x3
-    job = _job(hosts, cluster, tmp_path, config)
+    config, reference = reference_2x3_short
+    job = _job(hosts, cluster, tmp_path, config, SHORT_STEPS)
     job.start_all_no_ssh()
     _wait_until("host 2's workers started", lambda: len(_workers(hosts, 2)) == 2, 120)
     time.sleep(1.0)
@@ -142,6 +143,6 @@ def test_a_host_lost_during_the_start_up_starts_it_again_once_back(
     job.start_node(2)
     codes = job.finish(300)
     assert codes == {"node0": 0, "node1": 0, "node2": 0}, (codes, job.logs())
-    assert job.metrics()[0]["live_workers"] == 6 and job.metrics()[-1]["iter"] == LONG_STEPS - 1
+    assert job.metrics()[0]["live_workers"] == 6 and job.metrics()[-1]["iter"] == SHORT_STEPS - 1
     assert "(generation 2)" not in job.logs(100_000)  # one restart of the start-up for one loss
     assert_same_model(job.final_path, reference)
