@@ -114,27 +114,26 @@ def _split_part(dry: bool, repeats: int) -> list[dict[str, Any]]:
             p.grad = None
         return out
 
+    def fused(x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, float], list[torch.Tensor], float]:
+        peak_reset()
+        inp = x.clone().requires_grad_(True)
+        out, f_ms = clock(lambda: stack(inp))
+        _, b_ms = clock(lambda: backward_fused(out, g, inp, capture))
+        return {"F": f_ms, "fused": b_ms}, grads(), peak_gib()
+
+    def split(x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, float], list[torch.Tensor], float]:
+        peak_reset()
+        inp = x.clone().requires_grad_(True)
+        with capture.capture() as captured:
+            out, f_ms = clock(lambda: stack(inp))
+        (_, work), b_ms = clock(lambda: backward_input(out, g, inp, captured, capture))
+        _, w_ms = clock(work.run)
+        return {"F": f_ms, "B": b_ms, "W": w_ms}, grads(), peak_gib()
+
     rows = []
     for mb in size.micro_batches:
         x = torch.randn(mb, size.seq, size.d_model, device=device, dtype=torch.bfloat16)
         g = torch.randn_like(x)
-
-        def fused(x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, float], list[torch.Tensor], float]:
-            peak_reset()
-            inp = x.clone().requires_grad_(True)
-            out, f_ms = clock(lambda: stack(inp))
-            _, b_ms = clock(lambda: backward_fused(out, g, inp, capture))
-            return {"F": f_ms, "fused": b_ms}, grads(), peak_gib()
-
-        def split(x: torch.Tensor, g: torch.Tensor) -> tuple[dict[str, float], list[torch.Tensor], float]:
-            peak_reset()
-            inp = x.clone().requires_grad_(True)
-            with capture.capture() as captured:
-                out, f_ms = clock(lambda: stack(inp))
-            (_, work), b_ms = clock(lambda: backward_input(out, g, inp, captured, capture))
-            _, w_ms = clock(work.run)
-            return {"F": f_ms, "B": b_ms, "W": w_ms}, grads(), peak_gib()
-
         for _ in range(2):  # warm-up: kernels chosen, allocator grown
             fused(x, g)
             split(x, g)
@@ -279,7 +278,7 @@ def _install_wheels(folder: Path) -> str:
 def check(dry: bool, repeats: int, wheels: Path | None) -> list[Row]:
     env = {**os.environ, **_NCCL_ENV, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *([_install_wheels(wheels)] if wheels else []), os.environ.get("PYTHONPATH", "")])}
-    env.setdefault("OMP_NUM_THREADS", "1" if dry else env.get("OMP_NUM_THREADS", "8"))
+    env.setdefault("OMP_NUM_THREADS", "1" if dry else "8")
     gpus = 0 if dry else _gpus()
     rows: list[Row] = []
     why_not = "no CUDA device" if not dry and gpus == 0 else None

@@ -38,9 +38,9 @@ def main() -> int:
     first: dict[tuple[str, str], str] = {}
     began = time.perf_counter()
     for swept in sweep(("1f1b", "zb-h1", "adaptive")):
-        lines_ = timeline(swept.plan)
-        program = {rank: batches_as_issued(items) for rank, items in lines_.items()}
-        ordered = in_match_order(lines_)
+        items_of = timeline(swept.plan)
+        program = {rank: batches_as_issued(items) for rank, items in items_of.items()}
+        ordered = in_match_order(items_of)
         case = "failure-free" if not swept.failed else "with failures"
         for name, check, prog in (("order", check_order, program), ("waits", check_waits, program),
                                   ("ordered order", check_order, ordered), ("ordered waits", check_waits, ordered)):
