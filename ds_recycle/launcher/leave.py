@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["exit_status", "leave"]
+__all__ = ["exit_status", "flush_and_exit", "leave"]
 
 
 def exit_status(code: object) -> int:
@@ -59,11 +59,9 @@ def _flush_open_files() -> None:
                 pass
 
 
-def leave(code: object = None) -> NoReturn:
-    """Exit with the status of ``sys.exit(code)`` after the steps of the module docstring."""
-    status = exit_status(code)
-    _join_threads()
-    atexit._run_exitfuncs()
+def flush_and_exit(status: int) -> NoReturn:
+    """Steps 3 and 4 of the module docstring: flush every file open for writing, then the standard streams, and
+    end the process with ``status`` (for an ``atexit`` callback of its own, which runs after the others)."""
     _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -71,3 +69,11 @@ def leave(code: object = None) -> NoReturn:
         except (OSError, ValueError, AttributeError):
             pass
     os._exit(status)
+
+
+def leave(code: object = None) -> NoReturn:
+    """Exit with the status of ``sys.exit(code)`` after the steps of the module docstring."""
+    status = exit_status(code)
+    _join_threads()
+    atexit._run_exitfuncs()
+    flush_and_exit(status)

@@ -64,7 +64,7 @@ __all__ = [
 BYOM = Path(__file__).resolve().parent
 REPO = BYOM.parents[1]
 USER_TRAIN = BYOM / "user_train.py"
-SITE = BYOM / "site"
+SITE = REPO / "tests" / "site"
 VENV_BIN = Path(sys.executable).parent
 
 STEPS = 20

@@ -101,6 +101,40 @@ def test_site_hook_makes_deepspeed_skip_the_shm_op_build(with_site: bool) -> Non
         assert out == ["compatible", "True", "wrapped", "False", "built", "-"], out
 
 
+_LEAVER = """
+import sys, threading, time
+print(sys.exit.__module__, end=" ")
+log = open(sys.argv[1], "w")
+log.write("unclosed file ")  # never flushed nor closed by the script
+def late() -> None:
+    time.sleep(0.3)
+    print("from a thread", end=" ")
+threading.Thread(target=late).start()
+print("unflushed", end=" ")
+if sys.argv[2] == "exit":
+    sys.exit(3)
+if sys.argv[2] == "raise":
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("how", "status"), [("end", 0), ("exit", 3), ("raise", 1)])
+@pytest.mark.parametrize("rank", [None, "0"])
+def test_site_hook_leaves_a_stock_worker_without_teardown_and_loses_nothing(tmp_path: Path, how: str, status: int,
+                                                                        rank: str | None) -> None:
+    """Unflushed output, an unclosed file and a live thread's print survive, and the exit status is the
+    interpreter's; the hook is on in a stock launcher's worker (``RANK`` set) only."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "DS_RECYCLE_LAUNCHER")}
+    env = {**env, "PYTHONPATH": str(SITE), **({"RANK": rank} if rank else {})}
+    out = subprocess.run([sys.executable, "-c", _LEAVER, str(tmp_path / "log"), how], env=env, capture_output=True,
+                         text=True, timeout=50)
+    assert out.returncode == status, out.stderr
+    assert out.stdout == f"{'sitecustomize' if rank else 'sys'} unflushed from a thread ", out.stdout
+    assert (tmp_path / "log").read_text() == "unclosed file "
+    assert ("RuntimeError: boom" in out.stderr) == (how == "raise")
+
+
 def _alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting for its new parent to reap it)."""
     try:

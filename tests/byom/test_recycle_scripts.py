@@ -148,9 +148,6 @@ def test_dropout_model_with_a_failure_ends_as_without(variant: Path, tmp_path: P
     assert_same_final(killed.final, free.final)
 
 
-BF16_STEPS = 30
-
-
 @pytest.mark.timeout(400)
 def test_bf16_trains_with_a_falling_loss_as_vanilla_deepspeed(vanilla: VanillaRuns, variant: Path,
                                                              tmp_path: Path) -> None:
@@ -164,17 +161,15 @@ def test_bf16_trains_with_a_falling_loss_as_vanilla_deepspeed(vanilla: VanillaRu
     (``configs/bf16.json`` there), which accumulates and all-reduces in bf16, is not compared: its sums round
     differently (about 10% of a weight's magnitude apart after 30 steps).
     """
-    args = script_args("gpt", config="bf16", steps=BF16_STEPS)
+    args = script_args("gpt", config="bf16")
     with start_ds_recycle(variant, args, tmp_path / "recycle", pythonpath=(BYOM,)) as job:
         run = job.result(RUN_TIMEOUT_S).check()
     losses = run.losses()
-    assert len(losses) == BF16_STEPS, run.log[-3000:]
-    assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
+    assert len(losses) == STEPS, run.log[-3000:]
+    assert sum(losses[-5:]) < 0.75 * sum(losses[:5]), losses
     layer = next((run.final.with_suffix(".ckpt") / "final").glob("layer_*-model_states.pt"))
     assert {t.dtype for t in torch.load(layer, weights_only=True).values()} == {torch.bfloat16}
-    with start_torchrun(USER_TRAIN, [*script_args("gpt", config="bf16-zero1", steps=BF16_STEPS)],
-                        tmp_path / "vanilla") as job:
-        reference = job.result(RUN_TIMEOUT_S).check()
+    reference = vanilla("gpt", config="bf16-zero1")
     assert losses == pytest.approx(reference.losses(), rel=1e-5)
     assert_same_final(run.final, reference.final)
     assert run.jit_builds() == []
@@ -184,8 +179,8 @@ def test_bf16_trains_with_a_falling_loss_as_vanilla_deepspeed(vanilla: VanillaRu
 @pytest.mark.parametrize(("victim", "launcher_args", "steps"), [
     pytest.param(1, (), STEPS, id="first-stage"),
     # the restarted worker takes the fp32 master weights with the optimizer state from a live peer (enough steps
-    # for its restart and admission)
-    pytest.param(3, ("--restart_failed_after", "2"), 160, id="last-stage-rejoins"),
+    # for its restart and admission: killed after step 6, it rejoined at iteration 22 on a 2-core machine)
+    pytest.param(3, ("--restart_failed_after", "2"), 80, id="last-stage-rejoins"),
 ])
 def test_bf16_with_a_sigkill_ends_as_without(variant: Path, tmp_path: Path, victim: int,
                                              launcher_args: tuple[str, ...], steps: int) -> None:

@@ -1,8 +1,8 @@
 """The user-style script on stock DeepSpeed: each model trains, repeats bit for bit, and the launchers agree.
 
-These runs are the references of ``test_recycle_scripts.py``. Budget: 10 four-process runs of 20 steps (torchrun
-twice for every model, DeepSpeed's launcher and bf16 once each), each 10-25 s on an idle 2-core machine
-(about 2 minutes in all; 5 minutes when other jobs share the machine).
+These runs are the references of ``test_recycle_scripts.py``. Budget: 8 four-process runs of 20 steps (torchrun
+once for every model and again for two of them, DeepSpeed's launcher and bf16 once each), each 10-25 s on an idle
+2-core machine (about 2 minutes in all; 5 minutes when other jobs share the machine).
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def test_trains(vanilla: VanillaRuns, model: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
 def test_repeats_bit_for_bit(vanilla: VanillaRuns, model: str) -> None:
+    """Tied weights (gpt) and dropout (mlp): the stack under the references is deterministic."""
     first, second = vanilla(model), vanilla(model, repeat=1)
     assert second.losses() == first.losses()
     assert identical(first.final, second.final), f"two runs of {model} ended at different parameters"
@@ -54,7 +55,8 @@ def test_deepspeed_launcher_gives_the_torchrun_model(vanilla: VanillaRuns) -> No
 
 @pytest.mark.timeout(300)
 def test_bf16_gpt_trains(vanilla: VanillaRuns) -> None:
-    bf16, fp32 = vanilla("gpt", config="bf16"), vanilla("gpt")
+    """The bf16 reference of ``test_recycle_scripts.py`` (ZeRO stage 1, fp32 gradient accumulation) learns."""
+    bf16, fp32 = vanilla("gpt", config="bf16-zero1"), vanilla("gpt")
     assert _falls(bf16.losses()), bf16.losses()
     assert bf16.losses() != fp32.losses(), "the bf16 config trained exactly as fp32: is bf16 on?"
     _no_jit(bf16)

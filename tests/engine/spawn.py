@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+SITE = REPO / "tests" / "site"
+"""The tests' site hook (``tests/site/sitecustomize.py``): no shared-memory op build, no module teardown."""
 
 
 def free_port() -> int:
@@ -25,7 +27,7 @@ def spawn(nproc: int, args: Sequence[str], timeout: float = 180.0) -> list[str]:
     procs = []
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(REPO),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join((str(SITE), str(REPO))),
                "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
         procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))

@@ -20,7 +20,7 @@ import torch
 from ds_recycle.events import HostBackEvent, HostLostEvent, HostPartitionedEvent, RejoinEvent, ResumedEvent
 from tests.harness import assert_same_model
 from tests.hosts.cluster import PORT, HostJob
-from tests.hosts.conftest import LONG_STEPS, SHORT_STEPS
+from tests.hosts.conftest import REJOIN_STEPS, SHORT_STEPS
 from tests.nethosts import NetHosts
 
 pytestmark = pytest.mark.multiprocess
@@ -61,10 +61,10 @@ def _rejoined_ranks(job: HostJob) -> set[int]:
 
 @pytest.mark.timeout(420)
 def test_partition_fences_the_cut_host_the_rest_go_on_and_it_rejoins(
-        nethosts: Callable[[int], NetHosts], tmp_path: Path, reference_2x3: tuple[Path, Path]) -> None:
-    config, reference = reference_2x3
+        nethosts: Callable[[int], NetHosts], tmp_path: Path, reference_2x3_rejoin: tuple[Path, Path]) -> None:
+    config, reference = reference_2x3_rejoin
     hosts = nethosts(3)
-    job = HostJob(hosts, tmp_path, config, LONG_STEPS, slots=2, worker_hosts=[0, 1, 2],
+    job = HostJob(hosts, tmp_path, config, REJOIN_STEPS, slots=2, worker_hosts=[0, 1, 2],
                   node_timeout_s=NODE_TIMEOUT_S)
     job.start_ssh()
     job.wait_iteration(5, 240)
@@ -90,12 +90,12 @@ def test_partition_fences_the_cut_host_the_rest_go_on_and_it_rejoins(
 
 @pytest.mark.timeout(420)
 def test_store_service_outlives_node0s_host_which_rejoins(
-        nethosts: Callable[[int], NetHosts], tmp_path: Path, reference_2x3: tuple[Path, Path]) -> None:
+        nethosts: Callable[[int], NetHosts], tmp_path: Path, reference_2x3_rejoin: tuple[Path, Path]) -> None:
     """The store runs as `ds-recycle store` on a fourth host with no worker; node 0's whole host is SIGKILLed
     (its launcher and workers): the job goes on, node 0's launcher is started again and its ranks rejoin."""
-    config, reference = reference_2x3
+    config, reference = reference_2x3_rejoin
     hosts = nethosts(4)
-    job = HostJob(hosts, tmp_path, config, LONG_STEPS, slots=2, worker_hosts=[0, 1, 2],
+    job = HostJob(hosts, tmp_path, config, REJOIN_STEPS, slots=2, worker_hosts=[0, 1, 2],
                   node_timeout_s=NODE_TIMEOUT_S, store_host=3)
     job.start_store()
     job.start_all_no_ssh()

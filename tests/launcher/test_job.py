@@ -9,7 +9,7 @@ import pytest
 
 from ds_recycle.launcher import cli
 from ds_recycle.launcher.hosts import Layout, NodeSlots
-from ds_recycle.launcher.job import JobSpec, Program, worker_env, worker_specs
+from ds_recycle.launcher.job import NCCL_ENV, JobSpec, Program, worker_env, worker_specs
 from ds_recycle.launcher.remote import exported_env, launcher_argv, ssh_command
 
 TWO_NODES = Layout((NodeSlots("worker-0", (0, 1)), NodeSlots("worker-1", (1, 3))))
@@ -55,6 +55,16 @@ def test_worker_env_contract() -> None:
                 "DS_ACCELERATOR": "cpu", "HOME": "/h"}
     assert {k: env[k] for k in expected} == expected
     assert [s.rank for s in worker_specs(job)] == [2, 3]
+
+
+def test_workers_get_the_nccl_settings_that_keep_survivors_alive_unless_the_user_set_them() -> None:
+    env = worker_env(JobSpec(TWO_NODES, 0, "h", 1, Program("t.py"), base_env={}, cuda_available=True), 0)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert {k: env[k] for k in NCCL_ENV} == dict(NCCL_ENV)
+    base = {"NCCL_NVLS_ENABLE": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    env = worker_env(JobSpec(TWO_NODES, 0, "h", 1, Program("t.py"), base_env=base, cuda_available=True), 0)
+    assert env["NCCL_NVLS_ENABLE"] == "1" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
 
 
 def test_slots_map_through_the_launchers_visible_devices() -> None:
