@@ -2,7 +2,8 @@
 failure-free run.
 
     .venv/bin/python benchmarks/fail_slow.py [--shape 4x4] [--microbatches 8] [--factors 1.5,2,3] \
-        [--slow-workers 1:1[,2:2]] [--from-step 4] [--steps 24] [--blocks 16] [--rounds 1] [--out FILE]
+        [--slow-workers 1:1[,2:2]] [--from-step 4] [--steps 24] [--blocks 16] [--f-ms 100] [--rounds 1] \
+        [--out FILE]
 
 EMULATED ACCELERATORS (``benchmarks/emulated/``: F, B, W sleep the GPT-3 2.7B profile's time; a slow worker's
 sleeps are ``factor`` times longer from ``--from-step`` on, :func:`benchmarks.emulated.layers.set_slowdown`). Cases
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                         "which every row needs); the others' columns read nan")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every case this many times, in alternating order: a row per round and the spread")
+    p.add_argument("--f-ms", default=DEFAULT_F_MS,
+                   help="emulated F of the slowest stage, ms: one number, or SxD=ms pairs (as emulated_figure.py); "
+                        "with more --blocks, a longer F keeps each block's sleep, hence the runtime's CPU share, "
+                        "as it is")
     p.add_argument("--workdir", default=str(REPO / "runs" / "fail-slow"))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     slow_workers = [(int(a) % pipelines, int(b) % stages) for a, b in
                     (w.split(":") for w in args.slow_workers.split(","))]
     work = Path(args.workdir).resolve()
-    f_ms = f_ms_for(DEFAULT_F_MS, stages, pipelines)
+    f_ms = f_ms_for(args.f_ms, stages, pipelines)
     model: tuple[str, ...] = ()
     moving = stay = ""
     if args.blocks:
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
              "with S1 = found (with --blocks: the steps after the layers moved, 'moved at' iterations after the first "
              "slow step; 'no move' = re-partitioning off); planned = the planner's iteration time with the detected "
              "factors / without (with --blocks: on the partition moved to)",
-             f"model: {f'{args.blocks} emulated GPT-3 2.7B blocks a stage' if args.blocks else 'one emulated layer a stage'}",
+             f"model: {f'{args.blocks} emulated GPT-3 2.7B blocks a stage' if args.blocks else 'one emulated layer a stage'}"
+             f"; the slowest stage's F sleeps {f_ms:g} ms",
              f"{'factor':>6} {'van ff':>7} {'van slow':>8} {'S0':>6} {'rec ff':>7} {'found':>7} {'S1':>6} "
              f"{'S1 all':>6} {'S no det':>8} {'found at':>8} {'moved at':>8} {'no move':>7} {'factors':>16} "
              f"{'planned':>7} {'mitigated':>9}"]

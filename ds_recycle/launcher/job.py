@@ -10,10 +10,28 @@ from ds_recycle.launcher.hosts import Layout
 from ds_recycle.launcher.policy import ExitPolicy
 from ds_recycle.launcher.worker import LOST_EXIT_CODE, WorkerSpec
 
-__all__ = ["JobSpec", "Program", "worker_env", "worker_specs"]
+__all__ = ["NCCL_ENV", "JobSpec", "Program", "worker_env", "worker_specs"]
 
 
 _BOOTSTRAP = "ds_recycle.launcher.bootstrap"
+
+NCCL_ENV: Mapping[str, str] = {
+    # torch's watchdog must never end a survivor: its default (3, SkipCleanUp) kills the process on an NCCL error
+    # or a timeout; ds_recycle aborts the communicators of a failed epoch itself (ProcessGroupNCCL.hpp,
+    # ErrorHandlingMode; torch's `_abort_process_group` asks for 0)
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    # the heartbeat monitor kills the process when the watchdog makes no progress, which a long recovery is
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    # no debug dump (and the sleep of four dump timeouts before the watchdog reacts) on a timeout
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # a CUDA error seen by the watchdog is not rethrown as a process abort; the worker leaves and rejoins
+    # (nvidia-resiliency-ext's in-process restart recommends it)
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    # NVLink SHARP buffers are not released by an abort (nvidia-resiliency-ext's known issues)
+    "NCCL_NVLS_ENABLE": "0",
+}
+"""The NCCL settings every worker of ``ds-recycle launch`` gets unless the launcher's own environment sets them
+(the user's value wins; see docs/launcher.md). A CPU job never reads them."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +101,7 @@ def worker_env(job: JobSpec, rank: int) -> dict[str, str]:
     """The environment of global ``rank``: the launcher's own plus the env:// contract and ds_recycle's keys."""
     node = job.layout.nodes[job.node_rank]
     local_rank = rank - job.layout.offset(job.node_rank)
-    env = dict(job.base_env)
+    env = {**NCCL_ENV, **job.base_env}
     env.update({
         "MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port),
         "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(job.layout.world_size),
