@@ -1,4 +1,5 @@
-"""Put on ``PYTHONPATH`` by the tests' job harnesses only: stock DeepSpeed runs skip the shared-memory op build.
+"""Put on ``PYTHONPATH`` by the tests' job harnesses only: stock DeepSpeed runs skip the shared-memory op build,
+and stock launchers' workers skip the interpreter's module teardown.
 
 DeepSpeed's CPU backend builds the C++ ``deepspeed_shm_comm`` op in ``deepspeed.init_distributed()``
 (``deepspeed/comm/torch.py`` ``build_shm_op``) unless ``deepspeed.ops.__compatible_ops__`` says the op is not
