@@ -21,12 +21,13 @@ from __future__ import annotations
 import atexit
 import gc
 import io
+import itertools
 import os
 import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["exit_status", "flush_and_exit", "leave"]
+__all__ = ["exit_status", "flush_and_exit", "leave", "open_file_objects"]
 
 
 def exit_status(code: object) -> int:
@@ -49,14 +50,22 @@ def _join_threads() -> None:
             thread.join()
 
 
+def open_file_objects() -> list[io.IOBase]:
+    """Every file object the collector tracks. A worker holds about a third of a million objects once trained:
+    ``isinstance`` on each (an ABC check in Python) took 0.3-0.9 s of a 2-core machine per worker, so the types are
+    told apart once each and the objects filtered in C."""
+    objects = gc.get_objects()
+    files = {kind for kind in set(map(type, objects)) if issubclass(kind, io.IOBase)}
+    return list(itertools.compress(objects, map(files.__contains__, map(type, objects))))
+
+
 def _flush_open_files() -> None:
-    for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
-            try:
-                if not obj.closed:
-                    obj.flush()
-            except (OSError, ValueError):  # a broken pipe, a file closed under it: nothing to save there
-                pass
+    for obj in open_file_objects():
+        try:
+            if not obj.closed:
+                obj.flush()
+        except (OSError, ValueError):  # a broken pipe, a file closed under it: nothing to save there
+            pass
 
 
 def flush_and_exit(status: int) -> NoReturn:

@@ -17,8 +17,11 @@ from tests.launcher.launch_harness import launched_jobs
 REPO = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
-import os, sys, time
-print("READY", os.environ["RANK"], os.getpid(), "torch" in sys.modules, " ".join(sys.argv[1:]), flush=True)
+import gc, os, sys, time
+log = open(os.environ.get("LOG", os.devnull), "w")  # never closed: its buffer must reach the file all the same
+log.write("unclosed")
+print("READY", os.environ["RANK"], os.getpid(), "torch" in sys.modules, gc.get_freeze_count() > 0,
+      " ".join(sys.argv[1:]), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if "--sleep" in sys.argv:
     time.sleep(60)
@@ -42,7 +45,7 @@ def _read_all(fd: int, until: bytes, timeout_s: float = 30.0) -> bytes:
 def test_a_forked_worker_runs_the_bootstrap_with_its_own_environment_output_and_exit_code(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "5", "EXIT_WITH": "3"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "5", "EXIT_WITH": "3", "LOG": str(tmp_path / "log")}
     server = ForkServer(env, preload=("torch",))
     try:
         argv = [sys.executable, "-u", "-m", BOOTSTRAP, str(script), "--flag", "x"]
@@ -52,13 +55,16 @@ def test_a_forked_worker_runs_the_bootstrap_with_its_own_environment_output_and_
         os.close(write_fd)
         assert proc is not None
         out = _read_all(read_fd, b"to stderr").decode()
-        assert f"READY 5 {proc.pid} True --flag x" in out and "to stderr" in out, out  # torch came with the fork
+        # torch came with the fork, and the server's objects are frozen (a worker's collections leave them alone)
+        assert f"READY 5 {proc.pid} True True --flag x" in out and "to stderr" in out, out
         assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == process_name(5)
         assert proc.wait(30) == 3 and proc.poll() == 3
+        assert (tmp_path / "log").read_text() == "unclosed"
         os.close(read_fd)
 
         read_fd, write_fd = os.pipe()
-        sleeper = server.spawn([*argv, "--sleep"], {**env, "RANK": "6", "EXIT_WITH": "0"}, write_fd, write_fd)
+        env6 = {**env, "RANK": "6", "EXIT_WITH": "0", "LOG": str(tmp_path / "log6")}
+        sleeper = server.spawn([*argv, "--sleep"], env6, write_fd, write_fd)
         os.close(write_fd)
         assert sleeper is not None
         _read_all(read_fd, b"READY 6")

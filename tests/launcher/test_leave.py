@@ -2,13 +2,14 @@
 the same exit status (ds_recycle/launcher/leave.py)."""
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ds_recycle.launcher.leave import exit_status
+from ds_recycle.launcher.leave import exit_status, open_file_objects
 
 _PROGRAM = """
 import atexit, sys, threading, time
@@ -52,3 +53,21 @@ def test_the_bootstrap_leaves_with_the_scripts_status(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "ds_recycle.launcher.bootstrap", str(script), "--x"],
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (5, "ran ['--x']\n"), done.stderr
+
+
+class _UserLog(io.StringIO):
+    """A file object of the user's own class."""
+
+
+def test_open_file_objects_finds_every_kind_of_file_and_nothing_else(tmp_path: Path) -> None:
+    text, binary = open(tmp_path / "t", "w"), open(tmp_path / "b", "wb")
+    raw, mine = open(tmp_path / "r", "wb", buffering=0), _UserLog()
+    try:
+        found = open_file_objects()
+        for f in (text, binary, raw, mine, sys.stdout, sys.stderr):
+            assert any(g is f for g in found), f
+        assert all(isinstance(g, io.IOBase) for g in found)
+        assert not any(g is tmp_path for g in found)
+    finally:
+        for f in (text, binary, raw):
+            f.close()
