@@ -7,7 +7,8 @@ DeepSpeed's):
   hard-coded ``TrainSchedule``, and returns the iteration's loss on the reporting rank only (no
   pipeline-wide loss broadcast: the last stage folds its loss sum into its gradient all-reduce);
 - ``_INSTRUCTION_MAP`` is re-declared: DeepSpeed binds function objects and looks them up by exact type,
-  so every ReCycle instruction is registered here with its own small ``_exec_*`` handler;
+  so every ReCycle instruction is registered with its own small ``_exec_*`` handler
+  (:mod:`ds_recycle.engine.handlers`);
 - micro-batch state lives in a per-slot record (inputs, labels, stage output, received gradient, pending
   W), not in DeepSpeed's single ``self.loss`` / ``self.grad_layer`` slots;
 - the forward calls the module directly (no DeepSpeed output hooks); the last stage scales each loss by
@@ -18,7 +19,8 @@ DeepSpeed's):
 - every communication goes through one :class:`~ds_recycle.engine.transport.Transport`, and the entry points
   (``train_batch``, ``eval_batch``, checkpoints, ``finish``, ``close``) run through a
   :class:`~ds_recycle.engine.driver.Driver`: both are replaced by the failure handler under ``ds-recycle
-  launch``, through the hook surface of :mod:`ds_recycle.engine.driver` (nothing else writes the engine).
+  launch``, through the hook surface of :mod:`ds_recycle.engine.driver` (the engine side:
+  :mod:`ds_recycle.engine.failure_surface`; nothing else writes the engine).
 """
 from __future__ import annotations
 
@@ -27,10 +29,8 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import partial
 from types import MethodType
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,37 +38,29 @@ from deepspeed.runtime.pipe import engine as ds_pipe_engine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_recycle.engine import ds_checkpoint, surface
-from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.backward import (
     OwnerCapture,
-    SplitUnsupported,
-    WeightGradWork,
-    backward_fused,
-    backward_input,
-    grad_buffers,
 )
-from ds_recycle.engine.boundary_log import BoundaryLog, Role
-from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup, LocalDriver
+from ds_recycle.engine.boundary_log import BoundaryLog
+from ds_recycle.engine.driver import Driver, EngineHooks, LocalDriver
+from ds_recycle.engine.failure_surface import FailureSurface
+from ds_recycle.engine.handlers import HANDLERS, MicroBatchSourceLike, Slot
 from ds_recycle.engine.layer_move import (
     PendingMove,
-    Transfer,
     held_layers,
-    install_layers,
     movable_reason,
     pinned_layers,
-    receive_layers,
 )
 from ds_recycle.engine.op_clock import KINDS, DeviceTimer, OpClock, stage_costs, timed_kind
 from ds_recycle.engine.optimizer import ClipScope, NormLayout, StaggeredOptimizer, StepOutcome
-from ds_recycle.engine.p2p import Channel, Payload, PeerChannel, check_payload
-from ds_recycle.engine.position import IterationProgress, KeptWork, Position
+from ds_recycle.engine.p2p import PeerChannel
+from ds_recycle.engine.position import IterationProgress
 from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.recompute import use_recompute
-from ds_recycle.engine.rng import LayerSeeds, micro_batch_rng
+from ds_recycle.engine.rng import LayerSeeds
 from ds_recycle.engine.row_order import RowOrder
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
-from ds_recycle.engine.stage_state import StageState
-from ds_recycle.engine.tied import reduce_tied, tied_members, tied_weights
+from ds_recycle.engine.tied import tied_members, tied_weights
 from ds_recycle.engine.transport import DistTransport, Transport
 from ds_recycle.events import Event
 from ds_recycle.plan.costs import CostModel
@@ -77,31 +69,6 @@ from ds_recycle.runtime.grid import SurvivorGrid
 __all__ = ["MicroBatchSourceLike", "RecyclePipelineEngine", "rerouted_pipelines", "served_pipelines"]
 
 logger = logging.getLogger(__name__)
-
-
-class MicroBatchSourceLike(Protocol):
-    """Exactly-once data: ``micro_batch(iteration, pipeline, index) -> (inputs, labels)``, a pure function."""
-
-    def micro_batch(self, iteration: int, pipeline: int, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass
-class _Slot:
-    """One micro-batch in flight on this worker, from its F to its W."""
-
-    mb: ins.MicroBatch
-    inputs: Payload | None = None
-    """Stage input: a tensor or a tuple of tensors (its floating-point ones require grad when received)."""
-    labels: torch.Tensor | None = None
-    output: Payload | None = None
-    """Stage output (the scaled loss on the last stage): the root of B."""
-    captured: Any = None
-    grad_output: Payload | None = None
-    """Gradient of ``output``: a tensor, or one tensor per floating-point element of a tuple output."""
-    input_grad: Payload | None = None
-    """Gradient of ``inputs``, in the same form as ``grad_output``."""
-    weight_work: WeightGradWork | None = None
-    """What W runs; None once the weight gradient went to the row order (a fused B+W submits it itself)."""
 
 
 def served_pipelines(plan: PlanLike, worker: tuple[int, int]) -> tuple[frozenset[int], bool]:
@@ -119,23 +86,6 @@ def _timing_event() -> Any:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().Event(enable_timing=True)
-
-
-def _detached(payload: Payload) -> Payload:
-    return payload.detach() if isinstance(payload, torch.Tensor) else tuple(t.detach() for t in payload)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """A tensor, or a tuple or list of them, moved to ``device`` (anything else as it is)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-def _nothing() -> None:
-    """An accumulation already done (its weight gradient went straight into its row)."""
 
 
 def rerouted_pipelines(plan: PlanLike, stage: int) -> frozenset[int]:
@@ -156,7 +106,7 @@ def _without_pipe_handshake() -> Iterator[None]:
         p2p.send, p2p.recv = send, recv
 
 
-class RecyclePipelineEngine(PipelineEngine):
+class RecyclePipelineEngine(FailureSurface, PipelineEngine):
     """A ``PipelineEngine`` that runs this worker's part of a ReCycle plan each iteration."""
 
     grid: Any
@@ -211,7 +161,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """Channels and optimizers of past epochs: kept referenced (a peer may still be blocked in their groups)."""
         self.iteration = 0
         self._rerouted_cache: tuple[PlanLike, int] | None = None
-        self.slots: dict[int, _Slot] = {}
+        self.slots: dict[int, Slot] = {}
         self._loss_sum: torch.Tensor | None = None
         self._iteration_loss: torch.Tensor | None = None
         self._losses: dict[int, torch.Tensor] = {}
@@ -285,11 +235,6 @@ class RecyclePipelineEngine(PipelineEngine):
                  if i >= self.base_parts[1] and isinstance(f, torch.nn.Module) for p in f.parameters()}
         return [p for p in self.module.parameters() if id(p) not in extra]  # its tied modules first, as built
 
-    @property
-    def partition(self) -> tuple[int, ...]:
-        """The layer boundaries of every stage now (DeepSpeed's ``PipelineModule.parts``, as ints)."""
-        return tuple(int(x) for x in self.module.parts)
-
     def _norm_layout(self) -> NormLayout | None:
         """The clipping norm's layout while counted layers are not where the job's own partition has them: with
         the first-stage norm, while some of stage 0's own layers are on other stages (else stage 0 holds them all and
@@ -305,195 +250,6 @@ class RecyclePipelineEngine(PipelineEngine):
                                         if self.clip_scope is ClipScope.FIRST_STAGE
                                         else NormLayout.of_stages(specs, self.base_parts))
         return self._layout_cache
-
-    # ------------------------------------------------------------------ the hook surface (engine.driver)
-    def attach_driver(self, driver: Driver) -> None:
-        """Run the entry points through ``driver`` (the failure handler) from now on."""
-        self.driver = driver
-
-    def attach_hooks(self, hooks: EngineHooks | None) -> None:
-        """Run ``hooks`` before each instruction and each optimizer step (None: no checks)."""
-        self.hooks = hooks
-
-    def keep_boundary_log(self) -> None:
-        """Keep the tensors sent and received at this stage's boundaries from now on (a repair may need them)."""
-        if self.boundary_log is None:
-            self.boundary_log = BoundaryLog()
-
-    def finish_step(self) -> None:
-        """Complete the last optimizer step (post-validation), as every iteration's first instruction does."""
-        self._exec_finish_optimizer_step()
-
-    def resume_calls_at(self, calls: int) -> None:
-        """The training loop's ``train_batch`` calls so far are ``calls`` (a resume or a join: the loop's first
-        ``calls`` calls return at once)."""
-        self._calls = calls
-
-    def install_epoch(self, setup: EpochSetup) -> None:
-        """Run on a new membership epoch: its workers, plan, grid and transport.
-
-        The micro-batches in flight are dropped (an interrupted iteration is resumed by :meth:`begin_repair`);
-        the optimizer's counters and kept norm contributions carry over.
-        """
-        old = self.stepper
-        self._retired.append((self.channel, old))
-        self.workers, self.plan, self.transport = setup.workers, setup.plan, setup.transport
-        self.grid = self.mpu = self.module._grid = setup.grid
-        self._schedules = [self._make_schedule(k) for k in range(self.plan.iterations)]
-        self.channel = PeerChannel(self.transport)
-        self.stepper = self._make_stepper()
-        self.stepper.clipped_steps = old.clipped_steps
-        self.stepper.adopt_contributions(old.kept_contributions())
-        if setup.reporter is not None:
-            self.reporter_rank = setup.reporter
-        last = self.workers.stage_ranks(self.workers.stages - 1)
-        if self.reporter_rank not in last:  # the metrics stay with one rank for as long as it lives
-            self.reporter_rank = min(last)
-        self.drop_slots()
-        self._loss_sum = None
-
-    def switch_plan(self, plan: PlanLike) -> None:
-        """Run ``plan`` from the next iteration on, with the same members and groups (a re-plan for a worker's
-        speed). Call at an iteration boundary, with the last step finished: no micro-batch is in flight and the
-        gradient rows are empty."""
-        check_plan_for_job(plan, self.num_stages, self.workers.pipelines, self.micro_batches, self.workers.absent())
-        if self.slots or self.row_order.held:
-            raise RuntimeError(f"switch_plan in the middle of iteration {self.iteration}: call it between iterations")
-        old = self.stepper
-        self.plan = plan
-        self._schedules = [self._make_schedule(k) for k in range(plan.iterations)]
-        self.stepper = self._make_stepper()
-        self.stepper.clipped_steps = old.clipped_steps
-        self.stepper.adopt_contributions(old.kept_contributions())
-
-    def seed_per_layer(self) -> None:
-        """Draw each layer's randomness from its own per-micro-batch stream (:class:`LayerSeeds`), so that moving
-        it to another stage does not change its dropout masks. Set before training when layers may move."""
-        self.layer_seeds = LayerSeeds(self.rng_seed, self.device)
-        self.layer_seeds.attach(held_layers(self.module))
-
-    def repartition(self, plan: PlanLike, between: Callable[[str], None] | None = None) -> list[Transfer]:
-        """Move layers to ``plan``'s partition and run ``plan`` from the next iteration on (every live worker calls
-        it at the same iteration boundary; it finishes the last step first; :mod:`ds_recycle.engine.layer_move`).
-        Returns the layer transfers.
-
-        The transfers, then a barrier, then each worker installs its layers. A failure between the barrier's end on
-        one member and on another (a peer lost inside it) can leave some survivors moved and others not: the ones
-        not moved keep what they received (:attr:`pending_move`, reported in :meth:`position`) and the recovery
-        completes or drops it (:meth:`complete_move`, :meth:`drop_move`). ``between(point)`` is called with
-        ``"received"`` before the barrier and ``"agreed"`` after it (fault injection)."""
-        parts = getattr(plan, "partition", None)
-        if parts is None:
-            parts = self.base_parts
-        if self.layers_fixed is not None:
-            raise RuntimeError(f"layers cannot move between stages in this job: {self.layers_fixed}")
-        if self.slots or self.row_order.held:
-            raise RuntimeError(f"repartition in the middle of iteration {self.iteration}: call it between iterations")
-        self.finish_step()  # the last step is final before its parameters move
-        if len(parts) != self.num_stages + 1 or parts[-1] != len(self.module._layer_specs):
-            raise ValueError(f"partition {list(parts)}: give {self.num_stages + 1} boundaries from 0 to "
-                             f"{len(self.module._layer_specs)}")
-        self.pending_move = receive_layers(self.module, self.optimizer, parts, self.workers, self.global_rank,
-                                           self.transport)
-        moved = self.pending_move.transfers
-        if between is not None:
-            between("received")
-        self.transport.barrier("layer move")  # every transfer done everywhere: all members change together
-        if between is not None:
-            between("agreed")
-        self.complete_move()
-        self.switch_plan(plan)
-        return moved
-
-    def complete_move(self) -> None:
-        """Install the layers of :attr:`pending_move` (received, not installed yet)."""
-        pending, self.pending_move = self.pending_move, None
-        if pending is None:
-            raise RuntimeError("no layer move to complete on this worker")
-        install_layers(self.module, self.optimizer, self.stage_id, pending)
-        self.capture.close()
-        per_owner = self.capture.per_owner
-        self.capture = OwnerCapture(self.module)
-        self.capture.per_owner = per_owner
-        if self.layer_seeds is not None:
-            self.layer_seeds.attach(held_layers(self.module))
-
-    def drop_move(self) -> None:
-        """Forget :attr:`pending_move`: the members stay on the partition they hold."""
-        self.pending_move = None
-
-    def position(self) -> Position:
-        """Where this worker stands (reported to the other members after a failure)."""
-        prog = self.progress
-        stepped = prog.iteration if prog.iteration == self.iteration and prog.stepped else self.iteration - 1
-        served = tuple((d, i) for d in range(self.plan.pipelines) for i in range(self.plan.microbatches)
-                       if self.plan.worker_of(self.stage_id, (d, i)) == self.worker)
-        log = self.boundary_log
-        held = () if log is None else tuple(
-            (k, channel is Channel.GRAD, role is Role.RECEIVED, mb)
-            for k in (stepped, stepped + 1) for channel, role, mb in log.held(k))
-        in_flight = prog.iteration if not prog.stepped else prog.iteration + 1
-        awaiting = prog.awaiting_norm and not prog.stepped and prog.iteration == self.iteration
-        return Position(self.stage_id, stepped, in_flight, served,
-                        tuple(sorted(prog.w_done)) if not prog.stepped else (), held, awaiting, self.partition,
-                        () if self.pending_move is None else self.pending_move.parts)
-
-    def keep_work(self, completing: bool) -> KeptWork:
-        """What this worker keeps of the interrupted iteration (before a new epoch replaces its groups).
-
-        ``completing``: only the step was left (the reduced gradients stay); otherwise a reduction whose step was
-        not taken is undone and the rows are kept.
-        """
-        rows: dict[Any, Any] = {}
-        if not completing:
-            self.stepper.revert()
-            rows = self.stepper.partial_rows()
-        return KeptWork(self.iteration, self.progress, self._loss_sum, rows, completing)
-
-    def settle_step(self) -> None:
-        """Complete a step already taken, waiting for nothing (the epoch's groups are about to be replaced)."""
-        self.stepper.settle()
-
-    def begin_repair(self, kept: KeptWork, repair: Repair, iteration: int, committed: bool, dropped: bool) -> None:
-        """Go back to ``iteration`` (the interrupted one) and run only what ``repair`` leaves of it next.
-
-        ``kept`` is what this worker kept (:meth:`keep_work`); ``committed``: its stage stepped the iteration
-        before the failure; ``dropped``: its stage's partial sums are dropped (it redoes its part from the start).
-        """
-        if self.boundary_log is not None:
-            self.boundary_log.discard_from(iteration + 1)  # work of the next iteration, begun by committed stages
-        rows, loss_sum, progress = kept.rows, kept.loss_sum, kept.progress
-        if kept.completing:  # serves logs, then steps with the reduced gradients it holds (no rows to adopt)
-            progress = IterationProgress(iteration, awaiting_norm=True)
-        else:
-            if committed:  # stepped it: only serves logs (and the norm) in its repair
-                rows, loss_sum, progress = {}, None, IterationProgress(iteration, stepped=True)
-            elif dropped or progress.iteration != iteration:  # nothing of it kept on this stage
-                rows, loss_sum, progress = {}, None, IterationProgress(iteration)
-            self.stepper.adopt_rows(rows)
-        self._loss_sum, self.progress, self.repair = loss_sum, progress, repair
-        if kept.iteration < iteration:  # it stepped the one before but was still waiting for its loss
-            self.loss = self.agg_train_loss = torch.full((), float("nan"))  # nobody sends it again
-        self.iteration = iteration
-
-    def stage_state(self, carry_progress: bool = False) -> StageState:
-        """This stage's state to send to another replica (``carry_progress``: also the kept norm contributions
-        and losses, for a replica brought forward to a step it missed)."""
-        st = self.stepper
-        if carry_progress:
-            return StageState.of(self, clipped_steps=st.clipped_steps, contributions=st.kept_contributions(),
-                                 losses=dict(self._losses))
-        return StageState.of(self, clipped_steps=st.clipped_steps)
-
-    def load_stage_state(self, state: StageState) -> None:
-        """Take another replica's :meth:`stage_state`."""
-        state.restore(self)
-        if state.clipped_steps is not None:
-            self.stepper.clipped_steps = state.clipped_steps
-        if state.contributions is not None:
-            self.stepper.adopt_contributions(state.contributions)
-        if state.losses is not None:
-            self._losses.update(state.losses)
 
     # ------------------------------------------------------------------ schedule and loop
     def _make_schedule(self, iteration: int) -> PlanSchedule:
@@ -522,7 +278,7 @@ class RecyclePipelineEngine(PipelineEngine):
             self.data = self._addressable(data_iter)
         self._calls += 1
         if self._calls <= self.iteration:  # a restarted worker that joined at a later iteration: its loop catches up
-            return torch.full((), float("nan"))
+            return torch.full((), float("nan"), device=self.device)
         return self.driver.train_batch()
 
     def run_iteration(self) -> torch.Tensor | None:
@@ -555,7 +311,8 @@ class RecyclePipelineEngine(PipelineEngine):
         for it. A loss nobody holds (a failure took its reporter right after the iteration) is NaN.
         """
         loss = self._iteration_loss
-        value = torch.full((), float("nan")) if loss is None else loss.detach().float().reshape(()).clone()
+        value = (torch.full((), float("nan"), device=self.device) if loss is None
+                 else loss.detach().float().reshape(()).clone())
         self.transport.share_loss(value, self.reporter_rank)
         self.loss = self.agg_train_loss = value
         return value
@@ -628,7 +385,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """One evaluation pass at eval step ``step``; every rank returns the mean loss over all pipelines."""
         self._exec_finish_optimizer_step()  # evaluate the parameters of a final step
         self.module.eval()
-        self._eval_sums = torch.zeros(self.workers.pipelines)
+        self._eval_sums = torch.zeros(self.workers.pipelines, device=self.device)
         schedule = PlanSchedule(self.plan, self.worker, self.workers.rank_of, step, synchronous=self.synchronous,
                                 forward_only=True)
         evaluating, self._evaluating = self._evaluating, step
@@ -794,212 +551,7 @@ class RecyclePipelineEngine(PipelineEngine):
         """Start recording per-instruction times in :attr:`op_seconds`."""
         self.op_seconds = defaultdict(list)
 
-    # ------------------------------------------------------------------ IO and compute
-    def _slot(self, buffer_id: int, micro_batch: ins.MicroBatch) -> _Slot:
-        slot = self.slots.get(buffer_id)
-        if slot is None or slot.mb != tuple(micro_batch):
-            slot = _Slot((micro_batch[0], micro_batch[1]))
-            self.slots[buffer_id] = slot
-        return slot
-
-    def _exec_load_micro_batch_of(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
-        slot = self._slot(buffer_id, micro_batch)
-        if self._evaluating is None:
-            batch = self.data.micro_batch(self.iteration, micro_batch[0], micro_batch[1])
-        else:
-            assert self._eval_data is not None, "eval_batch sets its data source before it runs"
-            batch = self._eval_data.micro_batch(self._evaluating, micro_batch[0], micro_batch[1])
-        if self.batch_fn is not None:  # as DeepSpeed's _next_batch
-            batch = self.batch_fn(batch)
-        if self.is_first_stage():  # as DeepSpeed: the first stage feeds batch[0], the last one's loss reads batch[1]
-            slot.inputs = _to_device(batch[0], self.device)
-        if self.is_last_stage():
-            slot.labels = _to_device(batch[1], self.device)
-
-    def _exec_forward_micro_batch(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
-        slot = self.slots[buffer_id]
-        mb = slot.mb
-        seeds = self.layer_seeds.micro_batch(self.iteration, mb[0], mb[1]) if self.layer_seeds is not None \
-            else contextlib.nullcontext()
-        with self.capture.capture() as captured, micro_batch_rng(self.rng_seed, self.iteration, mb[0], mb[1],
-                                                                 self.stage_id), seeds:
-            out = self.module(slot.inputs)
-            if not self.is_last_stage():
-                check_payload(out, f"the output of stage {self.stage_id} (layers {self.module._local_start}-"
-                                   f"{self.module._local_stop - 1})")
-            if self.is_last_stage():
-                loss_fn = self.module.loss_fn
-                loss = out if loss_fn is None else loss_fn(out, slot.labels)  # no loss_fn: the output is the loss
-                if self._evaluating is not None:
-                    self._eval_sums[mb[0]] += loss.detach().float().reshape(())
-                    slot.output = None
-                    return
-                if slot.mb not in self.progress.loss_counted:  # a repaired iteration forwards some again
-                    self.progress.loss_counted.add(slot.mb)
-                    value = loss.detach().float()  # summed in fp32 (a bf16 loss too)
-                    self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-                out = loss / self.micro_batches
-        slot.output, slot.captured = out, captured
-
-    def _exec_backward_input(self, buffer_id: int, micro_batch: ins.MicroBatch, weights: bool = False) -> None:
-        slot = self.slots[buffer_id]
-        assert slot.output is not None, f"B of {micro_batch} before its F"
-        stage_input = None if self.is_first_stage() else slot.inputs
-        if not (weights or self.capture.fused):
-            try:
-                slot.input_grad, slot.weight_work = backward_input(slot.output, slot.grad_output, stage_input,
-                                                                   slot.captured, self.capture)
-            except SplitUnsupported as why:
-                logger.warning("stage %d runs its backward fused from now on (W empty, its bubbles unfilled): %s",
-                               self.stage_id, why)
-                self.capture.fused = True
-        if weights or self.capture.fused:
-            accumulate: Callable[[], None] = _nothing
-            if self.row_order.ready(slot.mb, self.progress.w_done):
-                with self.stepper.accumulating_for(*slot.mb):
-                    slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture,
-                                                     plain=self.capture.fused)
-            else:  # its weight gradient waits for its turn in the row (ds_recycle.engine.row_order)
-                with self.stepper.setting_aside() as aside:
-                    slot.input_grad = backward_fused(slot.output, slot.grad_output, stage_input, self.capture,
-                                                     plain=self.capture.fused)
-                accumulate = partial(self.stepper.add_to_row, slot.mb, aside)
-            slot.weight_work = None
-            self.row_order.submit(slot.mb, accumulate, self.progress.w_done)
-        if slot.captured is not None:  # its outputs carry hooks that reference it: a cycle through the autograd
-            slot.captured.clear()  # graph that Python's GC cannot free (it held each iteration's graph)
-        slot.grad_output = slot.output = slot.captured = None
-
-    def drop_slots(self) -> None:
-        """Forget every micro-batch in flight (an interrupted iteration), releasing its autograd graph."""
-        for slot in self.slots.values():
-            if slot.captured is not None:  # the hook cycle would otherwise keep the slice's graph alive
-                slot.captured.clear()
-        self.slots = {}
-        self.row_order.drop()
-
-    def _exec_backward_weight(self, buffer_id: int, micro_batch: ins.MicroBatch) -> None:
-        slot = self.slots.pop(buffer_id)
-        work = slot.weight_work
-        if work is None:  # its B ran fused and submitted the weight gradient
-            assert slot.output is None, f"W of {micro_batch} before its B"
-            return
-
-        def accumulate() -> None:
-            if work.passes:
-                with self.stepper.accumulating_for(*slot.mb):
-                    work.run()
-        self.row_order.submit(slot.mb, accumulate, self.progress.w_done)
-
-    # ------------------------------------------------------------------ communication
-    def _exec_send_activation_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
-        output = self.slots[buffer_id].output
-        assert output is not None, f"no stage output for {micro_batch}"
-        mb = (micro_batch[0], micro_batch[1])
-        detached = _detached(output)
-        self.channel.send(detached, peer, Channel.ACTIVATION, self.iteration, mb)
-        if self.boundary_log is not None:
-            self.boundary_log.record(self.iteration, Channel.ACTIVATION, Role.SENT, mb, detached, peer)
-
-    def _exec_recv_activation_from(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
-        slot = self._slot(buffer_id, micro_batch)
-        mb = (micro_batch[0], micro_batch[1])
-        if peer == self.global_rank:  # a repair: this worker received it before the failure
-            assert self.boundary_log is not None
-            received = _detached(self.boundary_log.get(self.iteration, Channel.ACTIVATION, Role.RECEIVED, mb))
-        else:
-            received = self.channel.recv_activation(peer, self.iteration, mb)
-        if self.boundary_log is not None:
-            self.boundary_log.record(self.iteration, Channel.ACTIVATION, Role.RECEIVED, mb, received, peer)
-        for tensor in (received,) if isinstance(received, torch.Tensor) else received:
-            if tensor.is_floating_point():  # as DeepSpeed: every floating-point input gets a gradient
-                tensor.requires_grad_(True)
-        slot.inputs = received
-
-    def _exec_send_grad_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
-        slot = self.slots[buffer_id]
-        assert slot.input_grad is not None, f"no input gradient for {micro_batch}"
-        mb = (micro_batch[0], micro_batch[1])
-        self.channel.send(slot.input_grad, peer, Channel.GRAD, self.iteration, mb)
-        if self.boundary_log is not None:
-            self.boundary_log.record(self.iteration, Channel.GRAD, Role.SENT, mb, slot.input_grad, peer)
-        slot.input_grad = None
-
-    def _exec_recv_grad_from(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
-        slot = self.slots[buffer_id]
-        assert slot.output is not None, f"gradient for {micro_batch} before its F"
-        mb = (micro_batch[0], micro_batch[1])
-        if peer == self.global_rank:  # a repair: this worker received it before the failure
-            assert self.boundary_log is not None
-            slot.grad_output = self.boundary_log.get(self.iteration, Channel.GRAD, Role.RECEIVED, mb)
-        else:
-            slot.grad_output = self.channel.recv_like(grad_buffers(slot.output), peer, Channel.GRAD, self.iteration,
-                                                      mb)
-        if self.boundary_log is not None:
-            self.boundary_log.record(self.iteration, Channel.GRAD, Role.RECEIVED, mb, slot.grad_output, peer)
-
-    def _exec_send_logged_to(self, micro_batch: ins.MicroBatch, peer: int, grad: bool, received: bool) -> None:
-        assert self.boundary_log is not None, "a repair that serves boundary logs needs the log"
-        mb = (micro_batch[0], micro_batch[1])
-        channel = Channel.GRAD if grad else Channel.ACTIVATION
-        payload = self.boundary_log.get(self.iteration, channel, Role.RECEIVED if received else Role.SENT, mb)
-        self.channel.send(_detached(payload), peer, channel, self.iteration, mb)
-
-    def _exec_share_committed_norm(self) -> None:
-        self.stepper.share_committed_norm(self.iteration)
-
-    def _exec_wait_sends(self) -> None:
-        self.channel.wait_sends()
-
-    # ------------------------------------------------------------------ optimizer
-    def _exec_staggered_optimizer_step(self, synchronous: bool) -> None:
-        self.row_order.flush(self.progress.w_done, f"stage {self.stage_id}, iteration {self.iteration}")
-        loss_sum = self._loss_sum if self.is_last_stage() else None
-        if self.is_last_stage() and loss_sum is None:
-            loss_sum = torch.zeros(())
-        total = self.stepper.reduce(loss_sum)  # the rows are kept as they were until the step
-        if self.tied:  # one gradient for every copy of a weight tied across stages
-            reduce_tied(self.tied, self.global_rank == self.workers.stage_ranks(self.stage_id)[0],
-                        self.transport.tied_all_reduce, holder=self.stepper.holder)
-        if total is not None:
-            self._losses[self.iteration] = total / (self.workers.pipelines * self.micro_batches)
-            self._losses.pop(self.iteration - 2, None)
-        self.progress.awaiting_norm = True
-        self._exec_complete_optimizer_step(synchronous)
-
-    def _exec_complete_optimizer_step(self, synchronous: bool = False) -> None:
-        if self.hooks is not None:
-            self.hooks.before_step()
-        self.stepper.step(self.iteration, synchronous)
-        self.progress.stepped = True
-        if self.boundary_log is not None:
-            self.boundary_log.stepped(self.iteration)
-        self._loss_sum = None
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-
-    def _exec_finish_optimizer_step(self) -> None:
-        outcome = self.stepper.finish()
-        if outcome is not None:
-            self.last_step = outcome
-
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
-        ins.LoadMicroBatchOf: _exec_load_micro_batch_of,
-        ins.ForwardMicroBatch: _exec_forward_micro_batch,
-        ins.BackwardInput: _exec_backward_input,
-        ins.BackwardWeight: _exec_backward_weight,
-        ins.SendActivationTo: _exec_send_activation_to,
-        ins.RecvActivationFrom: _exec_recv_activation_from,
-        ins.SendGradTo: _exec_send_grad_to,
-        ins.RecvGradFrom: _exec_recv_grad_from,
-        ins.WaitSends: _exec_wait_sends,
-        ins.StaggeredOptimizerStep: _exec_staggered_optimizer_step,
-        ins.FinishOptimizerStep: _exec_finish_optimizer_step,
-        ins.SendLoggedTo: _exec_send_logged_to,
-        ins.ShareCommittedNorm: _exec_share_committed_norm,
-        ins.CompleteOptimizerStep: _exec_complete_optimizer_step,
-    }
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, **HANDLERS}
 
 
 for _name in surface.REFUSED:  # DeepSpeed's calls that would be silently wrong here raise at the call

@@ -18,7 +18,7 @@ def test_every_instruction_is_registered_with_its_own_handler() -> None:
     table = RecyclePipelineEngine._INSTRUCTION_MAP
     for cls in ins.RECYCLE_INSTRUCTIONS:
         assert cls in table, f"{cls.__name__} is not in the dispatch table"
-        assert table[cls].__qualname__.startswith("RecyclePipelineEngine._exec_"), table[cls]
+        assert table[cls].__qualname__.startswith("InstructionHandlers._exec_"), table[cls]
     assert len({table[c] for c in ins.RECYCLE_INSTRUCTIONS}) == len(ins.RECYCLE_INSTRUCTIONS)
 
 
