@@ -283,7 +283,8 @@ def check(dry: bool, repeats: int, wheels: Path | None) -> list[Row]:
     rows: list[Row] = []
     why_not = "no CUDA device" if not dry and gpus == 0 else None
     rows.append(Row("a", "default GPT 2 x 2 on one shared GPU, host-staged", "-",
-                    "not run: the engine is CPU-only so far (no device-generic engine, no host-staged transport)"))
+                    "not run: workers cannot yet be placed on one shared GPU (the transport choice, "
+                    "recycle.transport, is not built; the engine's tensors and gloo's staging are device-generic)"))
     for part, to_rows in (("b", _split_rows), ("c", _nccl_rows)):
         if why_not is not None:
             rows.append(Row(part, "-", "-", f"not run: {why_not}"))

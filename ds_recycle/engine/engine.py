@@ -148,7 +148,7 @@ class RecyclePipelineEngine(FailureSurface, PipelineEngine):
         """Parameters this stage shares with other stages (``TiedLayerSpec``; :mod:`ds_recycle.engine.tied`)."""
         self.transport: Transport = DistTransport.of_grid(self.grid, self._tied_groups())
         """Every transfer and collective of the engine (:mod:`ds_recycle.engine.transport`)."""
-        self.channel = PeerChannel(self.transport)
+        self.channel = PeerChannel(self.transport, device=self.device)
         self.stepper = self._make_stepper()
         self.row_order = RowOrder(lambda pipeline: pipeline not in self.stepper.rerouted_pipelines)
         """Own rows add their weight gradients in micro-batch order (:mod:`ds_recycle.engine.row_order`)."""
@@ -189,7 +189,7 @@ class RecyclePipelineEngine(FailureSurface, PipelineEngine):
         self._eval_iter: Any = None
         self._eval_step = 0
         self._eval_data: MicroBatchSourceLike | None = None
-        self._eval_sums = torch.zeros(0)
+        self._eval_sums = torch.zeros(0, device=self.device)
         self._evaluating: int | None = None
         """The eval step being run by :meth:`eval_batch`, or None while training."""
         self._closed = False
@@ -542,7 +542,7 @@ class RecyclePipelineEngine(FailureSurface, PipelineEngine):
         return self.driver.run(self._gather_costs, "measuring costs")
 
     def _gather_costs(self) -> CostModel | None:
-        rows = torch.zeros(self.num_stages, len(KINDS), 2, dtype=torch.float64)
+        rows = torch.zeros(self.num_stages, len(KINDS), 2, dtype=torch.float64, device=self.transport.device)
         rows[self.stage_id] = self.clock.as_row()
         self.transport.all_reduce_members(rows, "measured costs")
         return stage_costs(rows)

@@ -91,7 +91,7 @@ class FailureSurface(InstructionHandlers):
         self.workers, self.plan, self.transport = setup.workers, setup.plan, setup.transport
         self.grid = self.mpu = self.module._grid = setup.grid
         self._schedules = [self._make_schedule(k) for k in range(self.plan.iterations)]
-        self.channel = PeerChannel(self.transport)
+        self.channel = PeerChannel(self.transport, device=self.device)
         self.stepper = self._make_stepper()
         self.stepper.clipped_steps = old.clipped_steps
         self.stepper.adopt_contributions(old.kept_contributions())

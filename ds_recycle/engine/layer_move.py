@@ -43,6 +43,7 @@ import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
+from ds_recycle.engine.devices import device_of
 from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.transport import Transport
 from ds_recycle.plan.partition import Move, layer_moves
@@ -127,7 +128,7 @@ def _payload(layer: nn.Module, optimizer: Any) -> torch.Tensor:
 
 
 def _unpack(data: torch.Tensor) -> dict[str, Any]:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
 
 
 @dataclass
@@ -162,15 +163,16 @@ def receive_layers(module: Any, optimizer: Any, parts: Sequence[int], workers: W
     for t in plan:
         if t.src == rank:
             data = _payload(layers[t.layer], optimizer)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
+            data = data.to(transport.device)
+            size = torch.tensor([data.numel()], dtype=torch.int64, device=transport.device)
             sends.append((transport.isend(size, t.dst), size, t.dst))
             sends.append((transport.isend(data, t.dst), data, t.dst))
     received: dict[int, dict[str, Any]] = {}
     for t in plan:
         if t.dst == rank:
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=transport.device)
             transport.recv([size], t.src, f"layer {t.layer}'s size")
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=transport.device)
             transport.recv([data], t.src, f"layer {t.layer}")
             received[t.layer] = _unpack(data)
     for work, _, dst in sends:
@@ -205,7 +207,7 @@ def _rebuild(module: Any, index: int, payload: dict[str, Any] | None, optimizer:
         raise RuntimeError(f"layer {index} was not received")
     with torch.random.fork_rng(devices=[]):
         layer = spec.build()
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    device = device_of(module)
     layer.to(device)
     masters = payload.get("masters")
     _match_dtypes(layer, payload["module"])

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ds_recycle.engine import instructions as ins
+from ds_recycle.engine.devices import HOST
 from ds_recycle.plan.costs import CostModel
 
 __all__ = ["KINDS", "DeviceTimer", "OpClock", "stage_costs", "timed_kind"]
@@ -217,7 +218,7 @@ class OpClock:
     def as_row(self) -> torch.Tensor:
         """``[median, count]`` per kind of :data:`KINDS` (count 1 where measured), for a sum over the members."""
         medians = self.medians()
-        return torch.tensor([[medians.get(k, 0.0), 1.0 if k in medians else 0.0] for k in KINDS],
+        return torch.tensor([[medians.get(k, 0.0), 1.0 if k in medians else 0.0] for k in KINDS], device=HOST,
                             dtype=torch.float64)
 
 

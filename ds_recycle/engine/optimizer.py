@@ -55,6 +55,7 @@ import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
+from ds_recycle.engine.devices import device_of
 from ds_recycle.engine.layer_move import spec_parameters
 from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.transport import Transport
@@ -162,7 +163,7 @@ class NormLayout:
                      grad_of: Callable[[nn.Parameter], torch.Tensor | None] | None = None) -> torch.Tensor:
         """This worker's part of the vector (all zeros unless ``writes``: its stage's first replica); ``grad_of``:
         where a parameter's gradient is (its fp32 master's in bf16; default ``p.grad``)."""
-        out = torch.zeros(2 * self.size)
+        out = torch.zeros(2 * self.size, device=device_of(module))
         if not writes:
             return out
         start, stop = int(module._local_start), int(module._local_stop)
@@ -187,7 +188,7 @@ class NormLayout:
         norms, present = reduced[begin:end], reduced[self.size + begin:self.size + end]
         kept = norms[present > 0]
         if kept.numel() == 0:
-            return torch.zeros(1)
+            return reduced.new_zeros(1, dtype=torch.float32)
         return kept.pow(2.0).sum().float().reshape(1)
 
 
@@ -222,6 +223,8 @@ class StaggeredOptimizer:
         self._source_work: Any = None
         self._source_tensor: torch.Tensor | None = None
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.device = device_of(module)
+        """Where the stage's parameters are: its reductions and norms are computed there."""
         self.master = optimizer if isinstance(optimizer, MasterWeightOptimizer) else None
         """bf16: the fp32 master weights (:mod:`ds_recycle.engine.precision`); None in fp32."""
         self.holders = [self.master.master_of(p) for p in self.params] if self.master is not None else self.params
@@ -436,16 +439,16 @@ class StaggeredOptimizer:
         every replica sends and receives ``2 (D - 1) / D`` of its gradients, as a ring all-reduce does.
         """
         grads = [p.grad.data if p.grad is not None else torch.zeros_like(p) for p in self.holders]
-        loss = loss_sum.detach().reshape(1).to(grads[0].dtype) if loss_sum is not None else torch.zeros(1)
+        loss = loss_sum.detach().reshape(1).to(grads[0].dtype) if loss_sum is not None else torch.zeros(1, device=self.device)
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
         d, n = self.pipelines, flat.numel()
         chunk = -(-n // d)
-        send = torch.zeros(d * chunk)
+        send = torch.zeros(d * chunk, device=self.device)
         send[:n] = flat
-        received = torch.empty(d * chunk)
+        received = torch.empty(d * chunk, device=self.device)
         self._all_to_all_stage(received, send)
         mine = _fold(received.view(d, chunk)[j] for j in range(d))
-        gathered = [torch.empty(chunk) for _ in range(d)]
+        gathered = [torch.empty(chunk, device=self.device) for _ in range(d)]
         self._all_gather_stage(gathered, mine)
         total = torch.cat(gathered)[:n]
         total_loss = total[n - 1].clone() if loss_sum is not None else None
@@ -463,7 +466,7 @@ class StaggeredOptimizer:
         layout = self._layout()
         index = {k: n for n, k in enumerate(layout)}
         numel = sum(p.numel() for p in self.params)
-        table = torch.zeros(len(layout), numel + 1)
+        table = torch.zeros(len(layout), numel + 1, device=self.device)
         for key, grads in rows.items():
             table[index[key], :numel] = torch.cat([g.reshape(-1) for g in grads])
         if loss_sum is not None:
@@ -490,19 +493,19 @@ class StaggeredOptimizer:
             counted = self.module.parameters() if self.norm_params is None else self.norm_params
             norms = [p.grad.data.detach().float().norm(2.0) for p in counted if p.grad is not None]
         if not norms:
-            return torch.zeros(1)
+            return torch.zeros(1, device=self.device)
         return torch.stack(norms).pow(2.0).sum().float().reshape(1)
 
     def _coefficient(self, total_sq: torch.Tensor) -> tuple[torch.Tensor, float]:
         norm = total_sq.pow(1.0 / 2.0)
         if self.master is not None:  # BF16_Optimizer: max_norm / (norm + eps), the norm of the reduced gradients
-            return torch.clamp(torch.tensor([self.max_norm]) / (norm + _EPS), max=1.0), float(norm)
+            return torch.clamp(torch.tensor([self.max_norm], device=self.device) / (norm + _EPS), max=1.0), float(norm)
         scaled = norm * 1.0 / float(self.pipelines)
         averaged = scaled.clone()
         for _ in range(self.pipelines - 1):  # DeepSpeed's SUM all-reduce of the D identical scaled norms
             averaged = averaged + scaled
-        coef = torch.tensor([self.max_norm]) / (averaged + _EPS)
-        return torch.min(torch.tensor([1.0]), coef), float(averaged)
+        coef = torch.tensor([self.max_norm], device=self.device) / (averaged + _EPS)
+        return torch.min(torch.tensor([1.0], device=self.device), coef), float(averaged)
 
     # 3. step
     def step(self, iteration: int, synchronous: bool) -> None:
@@ -516,12 +519,13 @@ class StaggeredOptimizer:
                                f"{self._pending.iteration} was finished; FinishOptimizerStep is missing")
         if self.max_norm <= 0.0:
             self.optimizer.step()
-            self._stepped(_Pending(iteration, None, torch.zeros(1)), torch.zeros(1))
+            nothing = torch.zeros(1, device=self.device)
+            self._stepped(_Pending(iteration, None, nothing), nothing.clone())
             return
         if self.norm_layout is not None:
             self._step_by_layout(iteration, self.norm_layout)
             return
-        local_sq = self._stage_sq() if self.counts else torch.zeros(1)
+        local_sq = self._stage_sq() if self.counts else torch.zeros(1, device=self.device)
         if self.scope is ClipScope.FIRST_STAGE:
             contribution = local_sq.clone()
             if self._source_work is not None:  # the previous broadcast reached everyone long ago
@@ -531,7 +535,7 @@ class StaggeredOptimizer:
                 self._source_work, self._source_tensor, work = work, contribution, None
             kept = local_sq.clone() if self.stage == 0 else contribution
         else:
-            contribution = local_sq.clone() if self.representative else torch.zeros(1)
+            contribution = local_sq.clone() if self.representative else torch.zeros(1, device=self.device)
             kept = contribution.clone()
             work = self._all_reduce_norm(contribution)
         pending = _Pending(iteration, work, contribution)
@@ -558,7 +562,7 @@ class StaggeredOptimizer:
             pending.norm, pending.clipped = self._clip_and_step(self._coefficient(layout.total(vector)))
             self._stepped(pending, kept)
             return
-        local_sq = layout.total(vector, self.stage) if self.representative else torch.zeros(1)
+        local_sq = layout.total(vector, self.stage) if self.representative else torch.zeros(1, device=self.device)
         kept = torch.cat([kept, local_sq])
         self._wait(self._all_reduce_norm(local_sq))
         pending = _Pending(iteration, None, kept)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ds_recycle.engine.devices import HOST
 from ds_recycle.engine.instructions import MicroBatch
 from ds_recycle.engine.transport import Transport
 
@@ -78,9 +79,9 @@ def check_payload(payload: object, where: str = "a stage output") -> None:
                     "tensors as a tuple, e.g. (hidden, mask), instead of a dict or a dataclass")
 
 
-def encode_header(payload: Payload, check_order: bool = False) -> torch.Tensor:
+def encode_header(payload: Payload, check_order: bool = False, device: torch.device = HOST) -> torch.Tensor:
     """The ``int64`` header that describes ``payload`` (see :func:`decode_header`), and whether its sender names
-    every message (:func:`header_checks_order`)."""
+    every message (:func:`header_checks_order`); made on ``device`` (the transport's)."""
     check_payload(payload)
     bare = isinstance(payload, torch.Tensor)
     tensors = [payload] if isinstance(payload, torch.Tensor) else list(payload)
@@ -92,7 +93,7 @@ def encode_header(payload: Payload, check_order: bool = False) -> torch.Tensor:
                             f"{_RECORD - 2} dims")
         record = [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
         meta += record + [0] * (_RECORD - len(record))
-    return torch.tensor(meta + [0] * (_META_LEN - len(meta)), dtype=torch.int64)
+    return torch.tensor(meta + [0] * (_META_LEN - len(meta)), dtype=torch.int64, device=device)
 
 
 def header_checks_order(meta: torch.Tensor) -> bool:
@@ -119,18 +120,18 @@ def decode_header(meta: torch.Tensor, peer: int) -> tuple[bool, list[TensorSpec]
 class PeerChannel:
     """Explicit-peer sends and receives for one worker, matched per pair in posting order."""
 
-    def __init__(self, transport: Transport, check_order: bool | None = None) -> None:
+    def __init__(self, transport: Transport, check_order: bool | None = None, device: torch.device = HOST) -> None:
         """``check_order``: send each message's name before it and compare it on receipt (None: as
-        :data:`CHECK_ORDER_ENV` says)."""
+        :data:`CHECK_ORDER_ENV` says); ``device``: where received activations are made (the stage's)."""
         self.transport = transport
+        self.device = device
         self.check_order = os.environ.get(CHECK_ORDER_ENV) == "1" if check_order is None else check_order
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._meta_sent: set[int] = set()
         self._meta_recv: dict[int, tuple[bool, list[TensorSpec]]] = {}
 
-    @staticmethod
-    def _name(channel: Channel, iteration: int, mb: MicroBatch) -> torch.Tensor:
-        return torch.tensor([channel.value, iteration, mb[0], mb[1]], dtype=torch.int64)
+    def _name(self, channel: Channel, iteration: int, mb: MicroBatch) -> torch.Tensor:
+        return torch.tensor([channel.value, iteration, mb[0], mb[1]], dtype=torch.int64, device=self.transport.device)
 
     @staticmethod
     def _what(channel: Channel, iteration: int, mb: MicroBatch) -> str:
@@ -139,7 +140,7 @@ class PeerChannel:
     def send(self, payload: Payload, peer: int, channel: Channel, iteration: int, mb: MicroBatch) -> None:
         """Post ``payload`` to ``peer``; its tensors must not change until :meth:`wait_sends`."""
         if channel is Channel.ACTIVATION and peer not in self._meta_sent:
-            self._post(encode_header(payload, self.check_order), peer)
+            self._post(encode_header(payload, self.check_order, self.transport.device), peer)
             self._meta_sent.add(peer)
         if self.check_order:
             self._post(self._name(channel, iteration, mb), peer)
@@ -149,7 +150,7 @@ class PeerChannel:
     def recv_activation(self, peer: int, iteration: int, mb: MicroBatch) -> Payload:
         """Block until the activation of ``mb`` from ``peer`` arrives; returns fresh tensors."""
         if peer not in self._meta_recv:
-            meta = torch.zeros(_META_LEN, dtype=torch.int64)
+            meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.transport.device)
             self.transport.recv((meta,), peer, "the activation header")
             if header_checks_order(meta) != self.check_order:
                 raise RuntimeError(f"rank {peer} {'names' if header_checks_order(meta) else 'does not name'} its "
@@ -158,7 +159,7 @@ class PeerChannel:
                                    "to the nodes it starts over ssh)")
             self._meta_recv[peer] = decode_header(meta, peer)
         is_tuple, specs = self._meta_recv[peer]
-        buffers = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in specs)
+        buffers = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs)
         return self.recv_like(buffers if is_tuple else buffers[0], peer, Channel.ACTIVATION, iteration, mb)
 
     def recv_like(self, buffer: Payload, peer: int, channel: Channel, iteration: int, mb: MicroBatch) -> Payload:
@@ -167,7 +168,7 @@ class PeerChannel:
         buffers = (buffer,) if isinstance(buffer, torch.Tensor) else tuple(buffer)
         what = self._what(channel, iteration, mb)
         if self.check_order:
-            name = torch.zeros(4, dtype=torch.int64)
+            name = torch.zeros(4, dtype=torch.int64, device=self.transport.device)
             self.transport.recv((name,), peer, f"the name of the {what}")
             if not torch.equal(name, self._name(channel, iteration, mb)):
                 got = Channel(int(name[0])).name.lower() if 0 <= int(name[0]) < len(Channel) else f"channel {name[0]}"

@@ -16,11 +16,14 @@ exercises the ordering a GPU run needs.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from ds_recycle.engine.devices import HOST, host_buffer, host_copy, staged
 
 __all__ = ["DistTransport", "Transport"]
 
@@ -28,6 +31,12 @@ __all__ = ["DistTransport", "Transport"]
 class Transport(Protocol):
     """How the engine communicates (see the module docstring). Blocking calls return when done; ``post_*``
     calls return a work for :meth:`wait`."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors this transport carries live (the host for gloo, the rank's GPU for NCCL): the engine
+        makes its control messages there (:mod:`ds_recycle.engine.devices`)."""
+        ...
 
     # point to point, by global rank, matched per pair in posting order (no tags: NCCL's discipline)
     def isend(self, tensor: torch.Tensor, peer: int) -> Any:
@@ -105,26 +114,49 @@ class DistTransport:
         """On a :class:`~ds_recycle.runtime.grid.SurvivorGrid`'s groups; ``tied_group(name)``: a tied weight's."""
         return cls(grid.p2p_group, grid.get_data_parallel_group(), grid.norm_group, grid.world_proc_group, tied_group)
 
+    @functools.cached_property
+    def device(self) -> torch.device:
+        """The host on gloo; this rank's current GPU on NCCL (asked of the point-to-point group's backend)."""
+        if dist.get_backend(self.p2p_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return HOST
+
+    # gloo's send, receive, all-to-all and all-gather take host tensors only: a GPU's are staged (engine.devices)
+    def _in(self, tensor: torch.Tensor) -> torch.Tensor:
+        return host_copy(tensor) if self.device == HOST else tensor
+
+    def _out(self, tensor: torch.Tensor) -> torch.Tensor:
+        return host_buffer(tensor) if self.device == HOST else tensor
+
     def isend(self, tensor: torch.Tensor, peer: int) -> Any:
-        return dist.isend(tensor, dst=peer, group=self.p2p_group)
+        host = self._in(tensor)
+        return staged(dist.isend(host, dst=peer, group=self.p2p_group), inputs=[(tensor, host)])
 
     def recv(self, buffers: Sequence[torch.Tensor], peer: int, what: str) -> None:
-        if len(buffers) == 1:
-            dist.recv(buffers[0], src=peer, group=self.p2p_group)
-            return
-        works = [dist.irecv(b, src=peer, group=self.p2p_group) for b in buffers]
+        hosts = [self._out(b) for b in buffers]
+        works = [dist.irecv(h, src=peer, group=self.p2p_group) for h in hosts]
         for work in works:
             if work is not None:  # None only on a rank outside the group, which cannot be a peer
                 work.wait()
+        for buffer, host in zip(buffers, hosts):
+            if host is not buffer:
+                buffer.copy_(host)
 
     def stage_all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.stage_group)
 
     def stage_all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
-        dist.all_to_all_single(output, tensor, group=self.stage_group)
+        host_out = self._out(output)
+        dist.all_to_all_single(host_out, self._in(tensor), group=self.stage_group)
+        if host_out is not output:
+            output.copy_(host_out)
 
     def stage_all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        dist.all_gather(outputs, tensor, group=self.stage_group)
+        hosts = [self._out(o) for o in outputs]
+        dist.all_gather(hosts, self._in(tensor), group=self.stage_group)
+        for output, host in zip(outputs, hosts):
+            if host is not output:
+                output.copy_(host)
 
     def post_broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return dist.broadcast(tensor, src=src, group=self.norm_group, async_op=True)

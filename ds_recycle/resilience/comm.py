@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ds_recycle.engine.devices import HOST, host_buffer, host_copy, staged
 from ds_recycle.resilience.errors import PeerFailure
 
 logger = logging.getLogger(__name__)
@@ -103,8 +104,9 @@ class EpochGroup:
         sources: list[int | None] = [None, *(i for i in range(len(self.members)) if i != self.index_of_self)]
         for source in sources:
             try:
-                work = (self.pg.recv_anysource([torch.zeros(1)], _BREAK_TAG) if source is None
-                        else self.pg.recv([torch.zeros(1)], source, _BREAK_TAG))
+                sink = [torch.zeros(1, device=HOST)]  # a gloo group's own receive, never matched
+                work = (self.pg.recv_anysource(sink, _BREAK_TAG) if source is None
+                        else self.pg.recv(sink, source, _BREAK_TAG))
             except RuntimeError:
                 continue
             try:
@@ -112,30 +114,38 @@ class EpochGroup:
             except RuntimeError:
                 return  # expired: the context closed its pairs
 
+    # Every operation takes tensors on any device: a GPU's are staged through the host (engine.devices.staged).
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        host = host_copy(tensor)
         with self._posting(f"send to rank {dst}"):
-            return self.pg.send([tensor], self.index[dst], tag)
+            return staged(self.pg.send([host], self.index[dst], tag), inputs=[(tensor, host)])
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        host = host_buffer(tensor)
         with self._posting(f"receive from rank {src}"):
-            return self.pg.recv([tensor], self.index[src], tag)
+            return staged(self.pg.recv([host], self.index[src], tag), outputs=[(tensor, host)])
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = self.index[src]
         opts.rootTensor = 0
+        host = host_copy(tensor)
         with self._posting(f"broadcast from rank {src}"):
-            return self.pg.broadcast([tensor], opts)
+            return staged(self.pg.broadcast([host], opts), outputs=[(tensor, host)])
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
         """Member ``j`` (in rank order) receives the ``j``-th equal slice of every member's ``tensor``."""
+        host_in, host_out = host_copy(tensor), host_buffer(output)
         with self._posting("all-to-all"):
-            return self.pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
+            return staged(self.pg.alltoall_base(host_out, host_in, [], [], dist.AllToAllOptions()),
+                          outputs=[(output, host_out)], inputs=[(tensor, host_in)])
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Work:
         """Every member's ``tensor`` into ``outputs``, in rank order."""
+        host_in, host_outs = host_copy(tensor), [host_buffer(o) for o in outputs]
         with self._posting("all-gather"):
-            return self.pg.allgather([outputs], [tensor])
+            return staged(self.pg.allgather([host_outs], [host_in]), outputs=list(zip(outputs, host_outs)),
+                          inputs=[(tensor, host_in)])
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
         return self._all_reduce(tensor, dist.ReduceOp.SUM)
@@ -146,8 +156,9 @@ class EpochGroup:
     def _all_reduce(self, tensor: torch.Tensor, op: Any) -> Work:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
+        host = host_copy(tensor)
         with self._posting("all-reduce"):
-            return self.pg.allreduce([tensor], opts)
+            return staged(self.pg.allreduce([host], opts), outputs=[(tensor, host)])
 
     @contextlib.contextmanager
     def _posting(self, what: str) -> Iterator[None]:

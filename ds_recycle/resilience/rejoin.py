@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_recycle.engine.devices import HOST
 from ds_recycle.engine.stage_state import StageState
 from ds_recycle.resilience.errors import JobClosed, PeerFailure
 from ds_recycle.resilience.store import StoreKeys
@@ -137,10 +138,10 @@ def write_tickets(store: dist.Store, keys: StoreKeys, upto: int, after: int, acc
 
 def _broadcast_bytes(comm: EpochComm, payload: bytes | None, src: int, what: str) -> torch.Tensor:
     """``src``'s ``payload`` on every member of the stage group, as a uint8 tensor (no copy on ``src``)."""
-    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=HOST)  # gloo
     comm.wait(comm.stage.broadcast(size, src), f"{what}: size")
     data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
-            else torch.empty(int(size.item()), dtype=torch.uint8))
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=HOST))
     comm.wait(comm.stage.broadcast(data, src), f"{what}: {data.numel()} bytes")
     return data
 

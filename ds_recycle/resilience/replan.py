@@ -95,7 +95,8 @@ class Replanner:
             engine.transport.wait(work, "worker measurements")
             self._checks += 1
             events = self._decide(engine, table)
-        row = torch.zeros(workers.stages * workers.pipelines, _ROW, dtype=torch.float64)
+        row = torch.zeros(workers.stages * workers.pipelines, _ROW, dtype=torch.float64,
+                          device=engine.transport.device)
         mine = engine.stage_id * workers.pipelines + engine.worker[0]
         row[mine, 0] = engine.clock.pace()
         row[mine, 1:] = engine.clock.as_row().reshape(-1)

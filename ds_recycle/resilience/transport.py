@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_recycle.engine.devices import HOST
 from ds_recycle.resilience.comm import Detector, EpochGroup, bounded_wait
 
 __all__ = ["EpochComm", "EpochTransport", "LossRider"]
@@ -84,6 +85,9 @@ class LossRider:
 class EpochTransport:
     """The engine's :class:`~ds_recycle.engine.transport.Transport` on an epoch's groups (see the module docstring)."""
 
+    device = HOST
+    """The epoch's groups are gloo's: what they carry lives on the host."""
+
     def __init__(self, comm: EpochComm, rank: int, rider: LossRider | None = None) -> None:
         self.comm = comm
         self.rank = rank
@@ -121,7 +125,7 @@ class EpochTransport:
         self.comm.wait(self.comm.norm.all_reduce_sum(tensor), what)
 
     def barrier(self, what: str) -> None:
-        self.all_reduce_members(torch.zeros(1), what)
+        self.all_reduce_members(torch.zeros(1, device=self.device), what)
 
     def tied_all_reduce(self, name: str, tensor: torch.Tensor) -> None:
         self.comm.wait(self.comm.tied[name].all_reduce_sum(tensor), "tied gradients")
@@ -129,7 +133,7 @@ class EpochTransport:
     def share_loss(self, value: torch.Tensor, src: int) -> None:
         """The loss, with the rider's value beside it, in one broadcast of two float64s over every member."""
         self.flush()
-        message = torch.zeros(2, dtype=torch.float64)
+        message = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.rank == src:
             message[0] = value.double()
             message[1] = float(self.rider.outgoing()) if self.rider is not None else 0.0
