@@ -134,29 +134,23 @@ class DistTransport:
 
     def recv(self, buffers: Sequence[torch.Tensor], peer: int, what: str) -> None:
         hosts = [self._out(b) for b in buffers]
-        works = [dist.irecv(h, src=peer, group=self.p2p_group) for h in hosts]
+        works = [staged(dist.irecv(h, src=peer, group=self.p2p_group), outputs=[(b, h)]) for b, h in zip(buffers, hosts)]
         for work in works:
             if work is not None:  # None only on a rank outside the group, which cannot be a peer
                 work.wait()
-        for buffer, host in zip(buffers, hosts):
-            if host is not buffer:
-                buffer.copy_(host)
 
     def stage_all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.stage_group)
 
     def stage_all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         host_out = self._out(output)
-        dist.all_to_all_single(host_out, self._in(tensor), group=self.stage_group)
-        if host_out is not output:
-            output.copy_(host_out)
+        staged(dist.all_to_all_single(host_out, self._in(tensor), group=self.stage_group, async_op=True),
+               outputs=[(output, host_out)]).wait()
 
     def stage_all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
         hosts = [self._out(o) for o in outputs]
-        dist.all_gather(hosts, self._in(tensor), group=self.stage_group)
-        for output, host in zip(outputs, hosts):
-            if host is not output:
-                output.copy_(host)
+        staged(dist.all_gather(hosts, self._in(tensor), group=self.stage_group, async_op=True),
+               outputs=list(zip(outputs, hosts))).wait()
 
     def post_broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return dist.broadcast(tensor, src=src, group=self.norm_group, async_op=True)

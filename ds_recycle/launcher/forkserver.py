@@ -20,7 +20,7 @@ visible: a parent that touched CUDA cannot fork workers that use it) and talks t
 The server freezes its objects (``gc.freeze``) once the modules are imported, before the first fork: a worker's
 garbage collections then leave the shared imported objects alone instead of touching every one of them (which
 copies each page they lie on into the worker: copy-on-write), and so does a scan of every object at exit
-(:func:`ds_recycle.launcher.leave.open_file_objects`, 0.5-0.9 s a worker on 2 cores before the freeze).
+(:func:`ds_recycle.launcher.leave.open_file_objects`, 0.4-1.0 s a worker of a 2 x 2 job on 2 cores before the freeze).
 
 Anything the server cannot serve (another program than the bootstrap, a server that died) starts as a fresh
 process instead, so the fork server changes how fast workers start, never whether they do.
