@@ -26,11 +26,15 @@ STEPS = 7
 REJOIN_STEPS = 100  # the failure-free reference of tests/resilience/test_rejoin.py
 SECOND_STEPS = 30  # that of tests/resilience/test_fail_slow.py
 pytestmark = [pytest.mark.multiprocess]
+STEADY = {"enabled": False}
+"""``recycle.fail_slow`` of the jobs that count their moves: with four or six workers on two cores, a worker can
+measure 1.3 times its stage peer's pace for long enough to be planned slow (a move of its own). The moves of a slow
+worker are tested in tests/resilience/test_fail_slow.py."""
 
 
 @pytest.mark.timeout(400)
 def test_layers_move_there_and_back_same_model(tmp_path: Path, reference: Callable[[int, int, int], Path]) -> None:
-    config = tiny_config(tmp_path, "moving", 3, 2, assume_failed=[[1, 1]], fail_slow={"enabled": False})
+    config = tiny_config(tmp_path, "moving", 3, 2, assume_failed=[[1, 1]], fail_slow=STEADY)
     out = tmp_path / "final.pt"
     job = run([sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", "5", "--master_port", "0",
                str(REPO / "tests" / "engine" / "_repartition_job.py"), "--deepspeed_config", str(config),
@@ -87,8 +91,8 @@ def test_a_lasting_failure_moves_layers_and_a_rejoin_moves_them_back(
     stage that lost a replica once the failure has lasted 3 iterations (the default), move it back before the
     restarted worker joins, and end at the failure-free model, bit for bit."""
     out, metrics = tmp_path / "final.pt", tmp_path / "metrics.jsonl"
-    job = launch(4, ["--deepspeed_config", str(tiny_config(tmp_path, "k", 2, 2, failure_timeout_s=60.0)),
-                     "--steps", str(REJOIN_STEPS), "--save-final", str(out), "--metrics", str(metrics),
+    config = tiny_config(tmp_path, "k", 2, 2, failure_timeout_s=60.0, fail_slow=STEADY)
+    job = launch(4, ["--deepspeed_config", str(config), "--steps", str(REJOIN_STEPS), "--save-final", str(out), "--metrics", str(metrics),
                      "--kill", "1:0@2:forward"], timeout=300, launcher_args=["--restart_failed_after", "3"])
     assert job.returncode == 0, job.output[-4000:]
     events = [e for e in events_of(job.metrics(metrics), Event)
@@ -113,8 +117,8 @@ def test_failures_after_a_move_are_survived_and_decided_again(
     at the failure-free model."""
     out, metrics = tmp_path / "final.pt", tmp_path / "metrics.jsonl"
     kills = ["1:0@2:forward", "2:0@2:forward", "1:1@12:backward-input", "2:1@12:backward-input"]
-    job = launch(6, ["--deepspeed_config", str(tiny_config(tmp_path, "k", 2, 3, failure_timeout_s=60.0)),
-                     "--steps", str(SECOND_STEPS), "--save-final", str(out), "--metrics", str(metrics),
+    config = tiny_config(tmp_path, "k", 2, 3, failure_timeout_s=60.0, fail_slow=STEADY)
+    job = launch(6, ["--deepspeed_config", str(config), "--steps", str(SECOND_STEPS), "--save-final", str(out), "--metrics", str(metrics),
                      *(a for k in kills for a in ("--kill", k))], timeout=300)
     assert job.returncode == 0, job.output[-4000:]
     events = [e for e in events_of(job.metrics(metrics), Event) if e.kind in ("failure", "repartition")]
