@@ -123,6 +123,8 @@ def _workers(spec: str, stages: int, pipelines: int) -> tuple[Worker, ...]:
 
 
 def setup(shape: str, blocks: int, f_ms: float, work: Path) -> Setup:
+    """An ``S x D`` shape's model: ``blocks`` emulated blocks a stage whose layers can move (0: one emulated layer
+    a stage, the profile's), the slowest stage's F ``f_ms``; its files are written under ``work``."""
     stages, pipelines = _shape(shape)
     if not blocks:
         pfile = write_profile(work / f"profile-{shape}.json", profile("gpt3-2.7b", stages, pipelines, f_ms))
@@ -161,8 +163,7 @@ def ff_cases(st: Setup, workers: tuple[Worker, ...], from_step: int) -> dict[str
             "recycle ff": Case("recycle", "recycle", slow=ff, model_args=st.model, recycle_extra=st.moving)}
 
 
-def planned_for(row: Row, st: Setup, microbatches: int, assumed: tuple[tuple[int, int, float], ...]
-                ) -> tuple[float, float]:
+def planned_for(st: Setup, microbatches: int, assumed: tuple[tuple[int, int, float], ...]) -> tuple[float, float]:
     """The planner's iteration time with the factors detection assumed (with blocks: on the partition it moves to)
     and its failure-free one, in the costs' unit (ms)."""
     found_slow = {(p_, s_): f for p_, s_, f in assumed}
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                    if shape == row.shape and owner in (None, row)}
             assumed = _assumed(res["recycle slow"])
             if assumed and (row, assumed) not in planned:  # rounds that assumed the same factors: planned once
-                planned[(row, assumed)] = planned_for(row, st, args.microbatches, assumed)
+                planned[(row, assumed)] = planned_for(st, args.microbatches, assumed)
             line, mitigated = row_line(row, st, res, args.from_step, planned.get((row, assumed)))
             print(line, flush=True)
             lines.append(line)
