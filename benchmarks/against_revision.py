@@ -1,7 +1,7 @@
 """This checkout against another git revision on the same job: time per iteration, alternated run by run.
 
     .venv/bin/python benchmarks/against_revision.py --rev main~1 [--rounds 4] [--steps 30] \
-        [--config configs/gpt_cpu_2x2.json] [--measure iteration|job] [--out FILE]
+        [--config configs/gpt_cpu_2x2.json] [--measure iteration|job] [--rev-recycle JSON] [--out FILE]
 
 The revision is checked out into a temporary git worktree and run with this checkout's virtual environment (its
 ``ds_recycle`` first on ``PYTHONPATH``). Each round runs the built-in training script (``launch/train.py``) under
@@ -9,7 +9,10 @@ The revision is checked out into a temporary git worktree and run with this chec
 times from the script's metrics file (``--metrics``: ``iter_time_s`` of every iteration) from iteration 6 on.
 Reported: the median per checkout and their ratio, with the machine's load. Real compute on CPU, all workers
 sharing the cores (not emulated). ``--measure job`` times the whole ``ds-recycle launch`` command instead, from
-its start to its exit (start-up, training and leaving: what a test or a short job pays).
+its start to its exit (start-up, training and leaving: what a test or a short job pays). ``--rev-recycle`` merges a
+JSON object into the revision's config's ``recycle`` section: ``--rev HEAD --rev-recycle '{"fail_slow": {"enabled":
+false}, "measure_costs": false}'`` measures what the job's measuring of itself costs (the pace exchange and the
+decisions it feeds, off on one side; the op clock runs on both).
 """
 from __future__ import annotations
 
@@ -53,22 +56,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--measure", choices=("iteration", "job"), default="iteration",
                    help="iteration: ms per iteration from the metrics; job: the whole command's wall time")
+    p.add_argument("--rev-recycle", default=None,
+                   help="JSON object merged into the revision's config's recycle section (this checkout's is as given)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     config = Path(args.config).resolve()
     with tempfile.TemporaryDirectory() as tmp:
+        rev_config = config
+        if args.rev_recycle:
+            try:
+                extra = json.loads(args.rev_recycle)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"--rev-recycle {args.rev_recycle!r}: not JSON ({e})") from None
+            if not isinstance(extra, dict):
+                raise SystemExit(f"--rev-recycle {args.rev_recycle!r}: give a JSON object, such as "
+                                 '\'{"fail_slow": {"enabled": false}}\'')
+            merged = json.loads(config.read_text())
+            merged["recycle"] = {**merged.get("recycle", {}), **extra}
+            rev_config = Path(tmp) / f"rev-{config.name}"
+            rev_config.write_text(json.dumps(merged))
         other = Path(tmp) / "rev"
         subprocess.run(["git", "worktree", "add", "--detach", str(other), args.rev], cwd=ROOT, check=True,
                        capture_output=True)
         try:
             checkouts = {"this checkout": ROOT, args.rev: other}
+            configs = {"this checkout": config, args.rev: rev_config}
             times: dict[str, list[float]] = {name: [] for name in checkouts}
             loads = []
             for r in range(args.rounds):
                 order = list(checkouts) if r % 2 == 0 else list(reversed(checkouts))
                 for k, name in enumerate(order):
                     metrics = Path(tmp) / f"metrics-{r}-{k}.jsonl"
-                    times[name] += _run(checkouts[name], config, args.steps, args.workers, metrics,
+                    times[name] += _run(checkouts[name], configs[name], args.steps, args.workers, metrics,
                                         args.measure == "job")
                     loads.append(os.getloadavg()[0])
         finally:
@@ -81,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
              f"job: launch/train.py, {config.name}, {args.workers} workers under ds-recycle launch, {args.steps} "
              f"steps, {args.rounds} alternated rounds, "
              + ("the whole command, start to exit" if args.measure == "job" else f"iterations {WARMUP + 1}+")
-             + " (real compute on CPU, not emulated)",
+             + " (real compute on CPU, not emulated)"
+             + (f"; {args.rev}'s recycle section with {args.rev_recycle}" if args.rev_recycle else ""),
              f"{'checkout':>16} {'ms/' + args.measure + ' (median)':>22} {'samples':>10}",
              f"{'this checkout':>16} {mine:>22.1f} {len(times['this checkout']):>10}",
              f"{args.rev:>16} {theirs:>22.1f} {len(times[args.rev]):>10}",
