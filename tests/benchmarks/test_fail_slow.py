@@ -12,7 +12,7 @@ from ds_recycle.events import PlanSwitchEvent, RepartitionEvent
 
 
 def _run(step_s: dict[int, float], events: tuple[object, ...] = ()) -> Result:
-    """A finished run whose step ``k`` took ``step_s`` of the first key at or below ``k``."""
+    """A finished run whose step ``k`` took ``step_s`` of the largest key at or below ``k``."""
     res = Result(Case("x", "recycle"), 4, 4, 8)
     t, keys = 0.0, sorted(step_s)
     for k in range(0, 20):
