@@ -26,7 +26,15 @@ from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ds_recycle.engine.nccl_check import Compute, Item, Transfer, dense_ranks, in_match_order, timeline
+from ds_recycle.engine.nccl_check import (
+    Compute,
+    Item,
+    Transfer,
+    batches_as_issued,
+    dense_ranks,
+    in_match_order,
+    timeline,
+)
 from ds_recycle.engine.schedule import PlanLike, Repair
 
 __all__ = ["CommAborted", "Collective", "FakeNccl", "Outcome", "Stall", "engine_program", "run_program"]
@@ -210,11 +218,8 @@ def engine_program(plan: PlanLike, iteration: int = 0, repair: Repair | None = N
     (:func:`~ds_recycle.engine.nccl_check.in_match_order`) or as issued today; with ``reductions``, the stage's
     gradient all-reduce at its ``StaggeredOptimizerStep`` (a blocking collective over the stage's live replicas)."""
     lines = timeline(plan, iteration, repair=repair)
-    if match_order:
-        batches = in_match_order(lines)
-    else:
-        from ds_recycle.engine.nccl_check import batches_as_issued
-        batches = {rank: batches_as_issued(items) for rank, items in lines.items()}
+    batches = (in_match_order(lines) if match_order
+               else {rank: batches_as_issued(items) for rank, items in lines.items()})
     if not reductions:
         return {rank: list(b) for rank, b in batches.items()}
     stage_of = {rank: w[1] for w, rank in dense_ranks(plan).items()}
