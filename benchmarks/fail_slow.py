@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = Path(args.workdir).resolve()
     if args.suite:
-        groups = [(shape, blocks, f_ms, slow, factors) for shape, blocks, f_ms, slow, factors in SUITE]
+        groups = list(SUITE)
     else:
         stages, pipelines = _shape(args.shape)
         groups = [(args.shape, args.blocks, f_ms_for(args.f_ms, stages, pipelines), args.slow_workers,
@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     setups: dict[str, Setup] = {}
     rows: list[Row] = []
     for shape, blocks, f_ms, slow, factors in groups:
-        st = setups.setdefault(shape, setup(shape, blocks, f_ms, work))
+        if shape not in setups:  # a shape's later groups share its first one's model
+            setups[shape] = setup(shape, blocks, f_ms, work)
+        st = setups[shape]
         workers = _workers(slow, st.stages, st.pipelines)
         rows.extend(Row(shape, workers, factor) for factor in factors)
     lines = [f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{'planned':>7} {'plan+rt':>7} {'mitigated':>9}"]
     print("\n".join(lines), flush=True)
     shares: dict[Row, list[float]] = {row: [] for row in rows}
-    planned: dict[tuple[Row, tuple[tuple[int, int, float], ...]], tuple[float, float]] = {}
+    planned: dict[tuple[str, tuple[tuple[int, int, float], ...]], tuple[float, float]] = {}
     for round_ in range(args.rounds):  # the runs alternate their order round by round
         jobs: list[tuple[str, Row | None, str, Case]] = []
         for shape, st in setups.items():
@@ -303,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
             res = {name: r for (shape, owner, name), r in results.items()
                    if shape == row.shape and owner in (None, row)}
             assumed = _assumed(res["recycle slow"])
-            if assumed and (row, assumed) not in planned:  # rounds that assumed the same factors: planned once
-                planned[(row, assumed)] = planned_for(st, args.microbatches, assumed)
-            line, mitigated = row_line(row, st, res, args.from_step, planned.get((row, assumed)))
+            if assumed and (row.shape, assumed) not in planned:  # the same shape and factors: planned once
+                planned[(row.shape, assumed)] = planned_for(st, args.microbatches, assumed)
+            line, mitigated = row_line(row, st, res, args.from_step, planned.get((row.shape, assumed)))
             print(line, flush=True)
             lines.append(line)
             shares[row].append(mitigated)
