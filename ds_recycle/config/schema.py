@@ -87,8 +87,8 @@ class DataConfig:
 
 
 FaultPhase = Literal["forward", "backward-input", "backward-weight", "last-backward-weight", "send", "receive",
-                     "all-reduce", "optimizer-step", "idle", "layer-move", "layer-moved", "join-request",
-                     "join-groups", "join-transfer", "join-first-iteration"]
+                     "all-reduce", "optimizer-step", "idle", "layer-move", "layer-moved", "end-of-training", "ended",
+                     "join-request", "join-groups", "join-transfer", "join-first-iteration"]
 
 
 @dataclass(frozen=True)

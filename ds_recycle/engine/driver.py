@@ -88,8 +88,9 @@ class Driver(Protocol):
         """Training resumes from a checkpoint in ``directory`` at ``start`` (None: none was there)."""
         ...
 
-    def finish(self) -> None:
-        """Training is over: the last step is final on every member."""
+    def finish(self, keep_final_state: bool = False) -> None:
+        """Training is over: the last step is final on every member (``keep_final_state``: for
+        :meth:`gather_final_state`, kept before the members agree that training ended)."""
         ...
 
     def drain_events(self) -> list[Event]:
@@ -157,7 +158,7 @@ class LocalDriver:
     def resumed_at(self, start: int | None, directory: str) -> None:
         return None
 
-    def finish(self) -> None:
+    def finish(self, keep_final_state: bool = False) -> None:
         self.engine.finish_local()
 
     def drain_events(self) -> list[Event]:

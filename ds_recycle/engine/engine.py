@@ -401,13 +401,15 @@ class RecyclePipelineEngine(FailureSurface, PipelineEngine):
         self.transport.all_reduce_members(sums, "evaluation loss")
         return sums.sum() / (self.workers.pipelines * self.micro_batches)
 
-    def finish(self) -> StepOutcome | None:
+    def finish(self, keep_final_state: bool = False) -> StepOutcome | None:
         """Complete the last optimizer step (post-validation) and outstanding sends; call after training.
 
         Parameters read right after the last ``train_batch`` may still see a step that post-validation
-        redoes with clipping; after ``finish`` (also run at exit) they are final.
+        redoes with clipping; after ``finish`` (also run at exit) they are final. ``keep_final_state``: a
+        :meth:`gather_final_state` follows; each stage's parameters are kept for it before the members agree
+        that training ended, so a member lost afterwards cannot take them away.
         """
-        self.driver.finish()
+        self.driver.finish(keep_final_state)
         return self.last_step
 
     def finish_local(self) -> StepOutcome | None:

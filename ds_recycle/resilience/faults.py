@@ -51,6 +51,12 @@ class Phase(enum.Enum):
     LAYER_MOVED = "layer-moved"
     """In a re-partition at the start of the iteration, after the members agreed, before this worker installs its
     layers (the others install theirs)."""
+    END_OF_TRAINING = "end-of-training"
+    """After the worker's last iteration (the fault's iteration is the job's number of steps), before its last
+    optimizer step is final and it arrives at the end of training: the others recover and finish again."""
+    ENDED = "ended"
+    """After the members agreed that training is over (iteration as for ``end-of-training``), before the worker
+    closes: the others end as they would have."""
     JOIN_REQUEST = "join-request"
     """A restarted worker, just after it filed its join request (for these ``join-*`` phases the fault's
     iteration is the restart count of the life in which the worker dies)."""

@@ -75,6 +75,7 @@ from ds_recycle.resilience.phases import (
     Job,
     agree,
     detect,
+    end_barrier,
     end_start_up,
     install,
     regroup,
@@ -192,6 +193,8 @@ class FailureHandler:
         self._target = 0
         """Iterations the training loop has asked for: a recovery brings training back to it."""
         self._finished = False
+        self._final_epoch: int | None = None
+        """The epoch whose members wrote the final parameters into the store (:meth:`gather_final_state`)."""
         self.rider = LossRider(lambda: int(store.add(keys.join_requests, 0)))
         """The job's count of join requests, riding on each loss broadcast."""
         self.joins_decided = 0
@@ -574,44 +577,69 @@ class FailureHandler:
                                  checkpoint_found=start is not None))
 
     # ------------------------------------------------------------------ end of training
-    def finish(self) -> None:
-        """Training is over: the last step is final on every member (recovering from failures on the way)."""
+    def finish(self, keep_final_state: bool = False) -> None:
+        """Training is over: the last step is final on every member (recovering from failures on the way).
+
+        The members agree on it through the store (:func:`~ds_recycle.resilience.phases.end_barrier`), so a member
+        that dies once all have arrived leaves the others done, and one that dies before makes every survivor
+        recover and finish again. ``keep_final_state``: each stage's first member also writes its final
+        parameters to the store before it arrives, so they are there whoever dies afterwards.
+        """
         if self._finished:
             return
         self.job.store.set(self.job.keys.join_closed, "1")  # a restarted worker has nothing to join any more
 
         def done() -> None:
+            self.faults.fire(Phase.END_OF_TRAINING)
             self.engine.finish_local()
-            self.epoch.transport.barrier("end-of-training barrier")
+            epoch = self.epoch
+            if keep_final_state:
+                self._write_final_stage(epoch)
+            end_barrier(self.job, epoch.number, len(epoch.members))
         self.run(done, "end of training")
         self._finished = True
+        self.faults.fire(Phase.ENDED)
         st, log = self.engine.stepper, self.engine.boundary_log
         logger.info("optimizer steps: %d, clipped %d; boundary log peak %d bytes", self.engine.global_steps,
                     st.clipped_steps, log.peak_bytes if log is not None else 0)
 
-    def gather_final_state(self) -> dict[str, torch.Tensor] | None:
-        """Every stage's parameters on the reporter, through the store (valid whatever groups died)."""
-        self.finish()
-        stage, store = self.engine.stage_id, self.job.store
-        key = f"{self.job.keys.root}/final/{self.round}/stage/"
-        if self.job.rank == self.epoch.workers.stage_ranks(stage)[0]:
+    def _write_final_stage(self, epoch: Epoch) -> None:
+        stage = self.engine.stage_id
+        if self.job.rank == epoch.workers.stage_ranks(stage)[0]:
             buf = io.BytesIO()
             torch.save(cpu_state_dict(self.engine.module), buf)
-            store.set(key + str(stage), buf.getvalue())  # type: ignore[arg-type]  # the store takes bytes too
+            key = self.job.keys.final_stage(epoch.number, stage)
+            self.job.store.set(key, buf.getvalue())  # type: ignore[arg-type]  # the store takes bytes too
+        self._final_epoch = epoch.number
+
+    def gather_final_state(self) -> dict[str, torch.Tensor] | None:
+        """Every stage's parameters on the reporter, through the store (valid whatever groups died)."""
+        if not self._finished:
+            self.finish(keep_final_state=True)
+        elif self._final_epoch is None:  # finished earlier: the stages write now
+            self._write_final_stage(self.epoch)
         if self.job.rank != self.engine.reporter_rank:
             return None
-        return merge_in_layer_order(torch.load(io.BytesIO(store.get(key + str(s))), weights_only=True)
-                                    for s in range(self.epoch.workers.stages))
+        assert self._final_epoch is not None
+        keys, epoch = self.job.keys, self._final_epoch
+        return merge_in_layer_order(torch.load(io.BytesIO(self.job.store.get(keys.final_stage(epoch, s))),
+                                               weights_only=True) for s in range(self.epoch.workers.stages))
 
     def close(self) -> None:
+        """Release the job's groups. No collective of the epoch runs after the end of training: a member that dies
+        now cannot fail the others, which leave as they would have."""
         self.finish()
-        self.epoch.transport.barrier("closing barrier")
         self.state = HandlerState.CLOSED
         if self.round == 0 and self.joined_at is None:
             self.heartbeat.stop()
             self.job.watchdog.stop()
             if dist.is_initialized():
-                dist.barrier()
+                try:
+                    dist.barrier()
+                except RuntimeError as e:  # a member died after the end of training: the work is done
+                    logger.warning("a member left after the end of training (%s): leaving without tearing down "
+                                   "the groups", e)
+                    self._exit(0)
                 dist.destroy_process_group()
             return
         # The WORLD group still references a dead peer (or is detached): tearing it down could abort; leave.

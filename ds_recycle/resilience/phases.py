@@ -39,8 +39,8 @@ from ds_recycle.resilience.watchdog import Watchdog, run_guarded, watch_members
 from ds_recycle.runtime.grid import WorkerMap
 from ds_recycle.runtime.job_store import started_key
 
-__all__ = ["Agreement", "Detection", "Epoch", "HandlerState", "Job", "agree", "detect", "end_start_up", "install",
-           "regroup"]
+__all__ = ["Agreement", "Detection", "Epoch", "HandlerState", "Job", "agree", "detect", "end_barrier", "end_start_up",
+           "install", "regroup"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,35 @@ def end_start_up(job: Job, members: int, poll_s: float = 0.002) -> None:
             raise PeerFailure(f"the start-up's last members did not count themselves within {job.timeout_s} s")
         time.sleep(poll_s)
     job.store.set(started_key(job.generation), "1")
+
+
+END_DONE, END_FAILED = "done", "failed"
+
+
+def end_barrier(job: Job, epoch: int, members: int, max_poll_s: float = 0.05) -> None:
+    """Training is over on this rank: arrive at epoch ``epoch``'s end of training and wait for how it ends.
+
+    The outcome is decided once, in the store, by the first ``compare_set`` of its key: ``done`` by the last of the
+    ``members`` to arrive, ``failed`` by a member whose watchdog trips (or whose wait runs out) first. Every member
+    reads that one outcome, unlike the completion of a collective, which one member can see while another sees the
+    collective fail: a member that dies after the last arrival cannot keep the others in training, and one that
+    dies before it sends every survivor into the same recovery. Raises
+    :class:`~ds_recycle.resilience.errors.PeerFailure` on ``failed``.
+    """
+    store, keys = job.store, job.keys
+    outcome = keys.end_outcome(epoch)
+    if int(store.add(keys.end_count(epoch), 1)) >= members:
+        store.compare_set(outcome, "", END_DONE)
+    deadline, poll_s = time.monotonic() + job.timeout_s, 0.001
+    while not store.check([outcome]):
+        if job.watchdog.failed() or time.monotonic() > deadline:
+            store.compare_set(outcome, "", END_FAILED)
+            break
+        time.sleep(poll_s)
+        poll_s = min(2 * poll_s, max_poll_s)
+    if store.get(outcome).decode() != END_DONE:
+        cause = job.watchdog.reason() if job.watchdog.failed() else f"not every member arrived within {job.timeout_s} s"
+        raise PeerFailure(f"end of training in epoch {epoch}: {cause}")
 
 
 def install(engine: Any, epoch: Epoch, plan: Any, reporter: int | None = None) -> None:

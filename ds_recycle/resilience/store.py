@@ -11,6 +11,9 @@ Key layout (all under ``ds_recycle/``; the launcher writes the first three, see
 ``ds_recycle/epoch/<e>/alive/<rank>``  the worker reached agreement round ``e``
 ``ds_recycle/epoch/<e>/members``       the agreed live ranks of round ``e`` (first writer wins)
 ``ds_recycle/epoch/<e>/report/<rank>`` where the worker stood when round ``e`` began (JSON ``Position``)
+``ds_recycle/epoch/<e>/end/count``     counter of the members of ``e`` whose training is over
+``ds_recycle/epoch/<e>/end/outcome``   ``done`` or ``failed``: how the end of training in ``e`` went (set once)
+``ds_recycle/epoch/<e>/final/<s>``     stage ``s``'s final parameters, when the script asked for them
 ``ds_recycle/join/requests``           counter of join requests filed by restarted workers
 ``ds_recycle/join/request/<n>``        the rank that filed request ``n``
 ``ds_recycle/join/ticket/<n>``         the members' answer to request ``n`` (JSON, see ``rejoin``)
@@ -58,6 +61,18 @@ class StoreKeys:
 
     def report(self, epoch: int, rank: int) -> str:
         return f"{self.root}/epoch/{epoch}/report/{rank}"
+
+    def end_count(self, epoch: int) -> str:
+        """Counter of the members of ``epoch`` whose training is over (:func:`~ds_recycle.resilience.phases.end_barrier`)."""
+        return f"{self.root}/epoch/{epoch}/end/count"
+
+    def end_outcome(self, epoch: int) -> str:
+        """``done`` or ``failed``: the end of training in ``epoch``, decided once (the first ``compare_set`` wins)."""
+        return f"{self.root}/epoch/{epoch}/end/outcome"
+
+    def final_stage(self, epoch: int, stage: int) -> str:
+        """The final parameters of ``stage`` (``torch.save`` bytes), written in ``epoch`` by its first member."""
+        return f"{self.root}/epoch/{epoch}/final/{stage}"
 
     @property
     def started_count(self) -> str:

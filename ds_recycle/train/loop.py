@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -204,6 +205,8 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
     for it in range(start, args.steps):
         t0 = time.perf_counter()
         result = runner.train_iteration(it)
+        if it == args.steps - 1:  # the last step made final: a member lost meanwhile is this record's event
+            result = replace(result, events=result.events + runner.finish(keep_final_state=args.save_final is not None))
         dt = time.perf_counter() - t0
         if metrics is None and runner.is_reporter():  # the reporter died and this rank took over
             metrics = open_metrics(True)

@@ -18,6 +18,7 @@ from ds_recycle.config import TrainConfig
 from ds_recycle.config._strict import to_jsonable
 from ds_recycle.data import MicroBatchSource
 from ds_recycle.engine.engine import RecyclePipelineEngine
+from ds_recycle.events import Event
 from ds_recycle.model import build_pipeline_module
 from ds_recycle.resilience.handler import FailureHandler
 from ds_recycle.resilience.world import World
@@ -78,6 +79,10 @@ class EngineRunner:
 
     def is_reporter(self) -> bool:
         return self.engine.is_reporter()
+
+    def finish(self, keep_final_state: bool) -> tuple[Event, ...]:
+        self.engine.finish(keep_final_state)
+        return tuple(self.engine.recycle_events())
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         return self.engine.gather_final_state()

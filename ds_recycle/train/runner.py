@@ -60,6 +60,11 @@ class Runner(Protocol):
         """True on exactly one live rank: the one that knows the loss and writes metrics."""
         ...
 
+    def finish(self, keep_final_state: bool) -> tuple[Event, ...]:
+        """Training is over: the last step made final on every rank; the events meanwhile (a member lost at the end).
+        ``keep_final_state``: :meth:`gather_final_state` follows."""
+        ...
+
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters by name, all stages, on the reporter (``None`` elsewhere)."""
         ...

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ds_recycle.config import TrainConfig
 from ds_recycle.data import MicroBatchSource
 from ds_recycle.engine.state import gather_state_dict
+from ds_recycle.events import Event
 from ds_recycle.model import build_pipeline_module
 from ds_recycle.resilience.world import World
 from ds_recycle.train.optim import build_optimizer
@@ -50,6 +51,9 @@ class VanillaRunner:
 
     def is_reporter(self) -> bool:
         return self.world.rank == 0
+
+    def finish(self, keep_final_state: bool) -> tuple[Event, ...]:
+        return ()  # DeepSpeed's step is final when train_batch returns
 
     def gather_final_state(self) -> dict[str, torch.Tensor] | None:
         return gather_state_dict(self.engine.module, contributes=self.pipeline == 0)

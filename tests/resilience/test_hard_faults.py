@@ -217,7 +217,7 @@ def test_joiners_killed_in_the_state_transfer_and_in_their_first_iteration(tmp_p
 
 
 # ------------------------------------------------------------------------------------------------ 3 and 4 pipelines
-D_STEPS = 7
+D_STEPS = 16
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,20 @@ def test_3_stages_last_stage_killed_at_its_last_weight_gradient_same_model(tmp_p
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("kill,rank,failure", [(f"1:0@{STEPS}:end-of-training", 1, True),
+                                               (f"0:0@{STEPS}:ended", 0, False)], ids=["before", "after"])
+def test_a_death_at_the_end_of_training_ends_the_job_at_the_same_model(tmp_path: Path, baseline_2x2: Path, kill: str,
+                                                                       rank: int, failure: bool) -> None:
+    """Killed after its last iteration, before its last step is final: the others recover and finish again. Killed
+    once the members agreed that training is over (worker (0, 0) had written stage 0's final parameters): nothing is
+    recovered, the others end as they would have. Either way the job succeeds with the failure-free model."""
+    out, output, records = _train(tmp_path, _config(tmp_path, "end", 2, 2), 4, "end", [kill])
+    assert re.search(rf"rank {rank} \(pid \d+\) lost: signal SIGKILL", output), output[-3000:]
+    assert [e.lost_ranks for e in events_of(records, FailureEvent)] == ([(rank,)] if failure else []), output[-3000:]
+    assert_same_model(out, baseline_2x2)
+
+
+@pytest.mark.timeout(150)
 def test_2x2_two_failures_in_different_stages(tmp_path: Path, baseline_2x2: Path) -> None:
     out, output, records = _train(tmp_path, _config(tmp_path, "k", 2, 2), 4, "k",
                                   ["1:0@2:backward-input", "0:1@4:receive"])
