@@ -20,6 +20,15 @@ as it would be on an accelerator.
 Sleeps are wall-clock (``time.sleep`` gives up the core), so a worker in a bubble is idle. The real work of
 the layer (an add of a ``[*, width]`` tensor) is microseconds; the sleep is not shortened by it.
 
+**Ops back to back run back to back.** On an accelerator a stage's kernels queue and run one after the other
+whatever the host's scheduler does; a sleeping process, though, wakes late when the machine is loaded (several
+workers a core), and a stage of 32 layers pays that latency 32 times per F. So the layers keep the emulated
+device's timeline: an op that the host issues within ``BACK_TO_BACK_S`` of waking from the previous one (nothing of
+its own in between: the next layer of the same F, B or W) starts when the previous op *ended on the device*, not
+when the host woke, and its sleep is shorter by the lateness. Anything longer in between (a receive, the optimizer,
+a bubble) starts the next op at the host's time, as before. The lateness is load-dependent noise, not device time;
+without this a busy machine inflated every multi-layer op by its wake-ups.
+
 A slow accelerator (fail-slow: throttling, a noisy neighbour) is emulated by :func:`set_slowdown`: every sleep of
 this process's layers from then on is ``factor`` times longer, whatever micro-batch it runs. Timing noise is
 emulated by :func:`set_jitter`: every sleep is scaled by its own factor drawn uniformly from ``[1 - j, 1 + j]``
@@ -39,6 +48,10 @@ __all__ = ["OpCost", "EmulatedLayer", "set_jitter", "set_slowdown"]
 
 _SLOWDOWN = [1.0]
 _JITTER: list[tuple[float, random.Random]] = []
+BACK_TO_BACK_S = 0.002
+"""An op issued within this long of the host waking from the previous one runs back to back with it."""
+_DEVICE = [float("-inf"), float("-inf")]
+"""When the emulated device finished its last op, and when the host woke from waiting for it."""
 
 
 def set_slowdown(factor: float) -> None:
@@ -57,12 +70,20 @@ def set_jitter(fraction: float, seed: int) -> None:
 
 
 def _sleep(seconds: float) -> None:
+    """The emulated device runs an op of ``seconds`` (scaled by the slowdown and the jitter); the host waits for it."""
     if seconds > 0:
         noise = 1.0
         if _JITTER:
             fraction, rng = _JITTER[0]
             noise = 1.0 + rng.uniform(-fraction, fraction)
-        time.sleep(seconds * _SLOWDOWN[0] * noise)
+        duration = seconds * _SLOWDOWN[0] * noise
+        now = time.monotonic()
+        last_end, woke = _DEVICE
+        start = last_end if now - woke < BACK_TO_BACK_S else now
+        lag = now - start  # how far the host is behind the device's timeline
+        if duration > lag:
+            time.sleep(duration - lag)
+        _DEVICE[:] = [start + duration, time.monotonic()]
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,33 @@ F, B, W = 0.2, 0.3, 0.4
 pytestmark = pytest.mark.timeout(60)
 
 
+class _Clock:
+    """``time`` for the layers: ``sleep`` records its argument and moves ``monotonic`` on by it plus ``late``
+    (a process that wakes late)."""
+
+    def __init__(self, late: float = 0.0) -> None:
+        self.now, self.late, self.made = 1000.0, late, []
+
+    def sleep(self, seconds: float) -> None:
+        self.made.append(seconds)
+        self.now += seconds + self.late
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Every ``time.sleep`` the layer makes, in order, instead of sleeping."""
-    made: list[float] = []
-    monkeypatch.setattr(layers.time, "sleep", made.append)
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    made = _Clock()
+    monkeypatch.setattr(layers, "time", made)
+    monkeypatch.setattr(layers, "_DEVICE", [float("-inf"), float("-inf")])
     return made
+
+
+@pytest.fixture
+def sleeps(clock: _Clock) -> list[float]:
+    """Every ``time.sleep`` the layer makes, in order, instead of sleeping."""
+    return clock.made
 
 
 def _layer_and_input() -> tuple[EmulatedLayer, torch.Tensor, torch.Tensor]:
@@ -148,3 +169,22 @@ def test_a_slow_accelerator_sleeps_factor_times_longer(sleeps: list[float]) -> N
     assert sorted(sleeps) == pytest.approx(sorted([2 * F, 2 * B, 2 * W]))
     with pytest.raises(ValueError, match="at least 1"):
         layers.set_slowdown(0.5)
+
+
+def test_layers_back_to_back_run_back_to_back_however_late_the_host_wakes(clock: _Clock) -> None:
+    """Four layers' F in a row on a host that wakes 5 ms late from every sleep: the device ran them back to back, so
+    the sleeps after the first are shorter by the lateness and the four end 4 F (plus the last wake-up) after the
+    start, not 4 (F + 5 ms). After a pause of the host's own (a receive, a bubble) the next op starts then."""
+    clock.late = 0.005
+    start = clock.now
+    for _ in range(4):
+        layers._sleep(F)
+    assert clock.made == pytest.approx([F, F - 0.005, F - 0.005, F - 0.005])
+    assert clock.now - start == pytest.approx(4 * F + 0.005)
+    clock.now += 0.010  # the host waits for a message
+    layers._sleep(B)
+    assert clock.made[-1] == pytest.approx(B)
+    clock.late = 0.3  # wakes later than the next op lasts: that op ran meanwhile, no sleep for it at all
+    layers._sleep(W)
+    layers._sleep(0.1)
+    assert clock.made[-1] == pytest.approx(W - 0.005) and len(clock.made) == 6
