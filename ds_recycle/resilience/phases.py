@@ -44,6 +44,9 @@ __all__ = ["Agreement", "Detection", "Epoch", "HandlerState", "Job", "agree", "d
 
 logger = logging.getLogger(__name__)
 
+END_DONE, END_FAILED = "done", "failed"
+"""The outcomes of an epoch's end of training (:func:`end_barrier`)."""
+
 
 class HandlerState(enum.Enum):
     """Where the failure handler is (one at a time; :attr:`FailureHandler.state`)."""
@@ -151,6 +154,9 @@ def agree(job: Job, detection: Detection, position: Position) -> Agreement:
     Raises :class:`~ds_recycle.resilience.errors.MembershipError` when the others fenced this worker out.
     """
     epoch = detection.epoch + 1
+    # Members already waiting at the end of training of the failed epoch learn of the recovery from the store (no
+    # group of theirs is involved there): the end, not decided yet, has failed.
+    job.store.compare_set(job.keys.end_outcome(detection.epoch), "", END_FAILED)
     job.store.set(job.keys.report(epoch, job.rank), position.to_json())
     members = agree_members(job.store, epoch, job.rank, detection.members, job.watchdog.dead,
                             timeout_s=job.timeout_s, keys=job.keys)
@@ -206,9 +212,6 @@ def end_start_up(job: Job, members: int, poll_s: float = 0.002) -> None:
             raise PeerFailure(f"the start-up's last members did not count themselves within {job.timeout_s} s")
         time.sleep(poll_s)
     job.store.set(started_key(job.generation), "1")
-
-
-END_DONE, END_FAILED = "done", "failed"
 
 
 def end_barrier(job: Job, epoch: int, members: int, max_poll_s: float = 0.05) -> None:

@@ -4,6 +4,10 @@ workers a host, every stage with a replica on two hosts.
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +18,7 @@ from ds_recycle.events import HostBackEvent, HostLostEvent, HostPartitionedEvent
 from tests.etcd_cluster import ETCD, EtcdCluster
 from tests.harness import assert_same_model
 from tests.hosts.cluster import HostJob
-from tests.hosts.conftest import LONG_STEPS, SHORT_STEPS, host_config
+from tests.hosts.conftest import REJOIN_STEPS, SHORT_STEPS, host_config
 from tests.hosts.test_host_failures import FENCE_BOUND_S, NODE_TIMEOUT_S, _wait_until, _workers
 from tests.nethosts import NetHosts
 
@@ -35,7 +39,11 @@ def etcd_hosts(nethosts: Callable[[int], NetHosts], tmp_path: Path) -> Iterator[
         cluster.close()
 
 
-def _job(hosts: NetHosts, cluster: EtcdCluster, folder: Path, config: Path, steps: int = LONG_STEPS) -> HostJob:
+MEMBERS_PAUSED_S = 120.0
+"""Longest the members stay stopped while a lost host boots again and its ranks file their join requests."""
+
+
+def _job(hosts: NetHosts, cluster: EtcdCluster, folder: Path, config: Path, steps: int) -> HostJob:
     return HostJob(hosts, folder, config, steps, slots=2, worker_hosts=[0, 1, 2], node_timeout_s=NODE_TIMEOUT_S,
                    launcher_args=["--store", cluster.endpoints + "/hostjob"])
 
@@ -53,14 +61,22 @@ def _rejoined(job: HostJob) -> set[int]:
 
 @pytest.mark.timeout(420)
 def test_losing_node0s_host_with_the_etcd_leader_leaves_the_job_training_and_it_rejoins(
-        etcd_hosts: tuple[NetHosts, EtcdCluster], tmp_path: Path, reference_2x3: tuple[Path, Path]) -> None:
+        etcd_hosts: tuple[NetHosts, EtcdCluster], tmp_path: Path, reference_2x3_rejoin: tuple[Path, Path]) -> None:
     """Host 0 runs node 0's launcher, two workers and the etcd leader; all of it is SIGKILLed at once. The other
     launchers declare node 0 lost (one of them), the workers re-route around it, the job trains on; host 0 boots
     again (its etcd member rejoins the cluster, node 0's launcher restarts its ranks) and the job ends at the
-    failure-free model, every launcher reporting success."""
+    failure-free model, every launcher reporting success.
+
+    A booting host takes longer than the short job has left: the harness stops the members (SIGSTOP) while host 0
+    comes back, until its restarted ranks have filed their join requests (heartbeat_stale_s is set above the
+    pause), so they are admitted with iterations to spare however loaded the machine is."""
     hosts, cluster = etcd_hosts
-    config, reference = reference_2x3
-    job = _job(hosts, cluster, tmp_path, config)
+    shared, reference = reference_2x3_rejoin
+    config = tmp_path / "leader.json"
+    data = json.loads(shared.read_text())
+    data["recycle"]["heartbeat_stale_s"] = MEMBERS_PAUSED_S + 60.0
+    config.write_text(json.dumps(data))
+    job = _job(hosts, cluster, tmp_path, config, REJOIN_STEPS)
     job.start_all_no_ssh()
     job.wait_iteration(5, 240)
     cluster.move_leader(0)
@@ -69,18 +85,31 @@ def test_losing_node0s_host_with_the_etcd_leader_leaves_the_job_training_and_it_
     training = _first_iteration_with(job, 4, at, 120)
     lost = job.wait_event(HostLostEvent, 30)
     assert [e.node for e in lost] == [0] and sorted(lost[0].ranks) == [0, 1], job.logs()
-    hosts.revive(0)
-    cluster.start(0)
-    cluster.wait_healthy([0], 30)
-    job.start_node(0)  # a returning node 0: joins the job in the namespace, restarts its ranks once declared lost
-    back = _wait_until("node 0's ranks rejoined", lambda: {0, 1} <= _rejoined(job), 180)
+    members = _workers(hosts, 1) + _workers(hosts, 2)
+    assert len(members) == 4, members
+    paused = time.monotonic()
+    for pid in members:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        hosts.revive(0)
+        cluster.start(0)
+        cluster.wait_healthy([0], 30)
+        job.start_node(0)  # a returning node 0: joins the job in the namespace, restarts its ranks once declared lost
+        _wait_until("node 0's restarted ranks filed their join requests",
+                    lambda: len(re.findall(r"join request \d+ filed for rank [01] ", job.text("node0"))) >= 2,
+                    MEMBERS_PAUSED_S)
+        filed = time.monotonic() - paused
+    finally:
+        for pid in members:
+            os.kill(pid, signal.SIGCONT)
+    back = _wait_until("node 0's ranks rejoined", lambda: {0, 1} <= _rejoined(job), 120)
     codes = job.finish(300)
     assert codes == {"node0": 0, "node1": 0, "node2": 0}, job.logs()
     assert len(job.events(HostLostEvent)) == 1 and [e.after for e in job.events(HostBackEvent)] == ["host restart"]
     assert job.metrics()[-1]["live_workers"] == 6
     assert_same_model(job.final_path, reference)
-    print(f"host 0 (node 0, etcd leader) SIGKILLed: first iteration on 4 workers {training:.1f} s later; "
-          f"its ranks rejoined {back:.1f} s after its launcher started again")
+    print(f"host 0 (node 0, etcd leader) SIGKILLed: first iteration on 4 workers {training:.1f} s later; host 0 "
+          f"back and its ranks' join requests filed {filed:.1f} s after the members paused; rejoined {back:.1f} s after they resumed")
 
 
 @pytest.mark.timeout(420)
