@@ -5,8 +5,9 @@
 
 Each part runs in a subprocess of its own under a hard time limit, so a hang fails its row and never the script:
 
-(a) the default GPT at 2 x 2 on one shared GPU (host-staged transport), compared with its CPU run, and a worker
-    SIGKILLed from outside ending at the failure-free model;
+(a) the default GPT at 2 x 2 under ``ds-recycle launch``, four workers sharing one GPU (gloo through host memory):
+    its final model against the same job's on the CPU, and the job again with rank 1 SIGKILLed from outside and
+    restarted, which must end bit-identical to the failure-free run;
 (b) what the B/W split costs on real kernels: F + B + W against F + fused backward for a stack of GPT blocks in
     bf16 (d_model 4096, sequence 2048, micro-batches 1, 2 and 4): milliseconds, peak memory, the ratio, and how
     far the split's gradients are from the fused ones;
@@ -18,8 +19,10 @@ Each part runs in a subprocess of its own under a hard time limit, so a hang fai
 A part that cannot run here says why in its row ("not run: ..."); it is never counted as passed. The script exits 1
 when a part that ran failed.
 
-``--dry-run`` runs the same code on CPU at a tiny size so that it cannot rot (``tests/benchmarks``): (b) with
-d_model 128, sequence 64; (c) on gloo, whose abort cannot release a pending receive, so that half is not run.
+``--dry-run`` runs the same code on CPU at a tiny size so that it cannot rot (``tests/benchmarks``): (a) with 8
+iterations, both jobs on the CPU; (b) with d_model 128, sequence 64; (c) on gloo, whose abort cannot release a
+pending receive, so that half is not run. ``--parts`` picks parts (``--parts bc``); ``--work DIR`` keeps (a)'s
+logs and models.
 ``--wheels DIR`` first installs the wheels in DIR (``pip --no-index --no-deps --target``) for the parts'
 subprocesses: a GPU machine without network gets DeepSpeed that way.
 """
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PART_TIMEOUT_S = {"b": 240.0, "c": 120.0}
+PART_TIMEOUT_S = {"a": 240.0, "b": 120.0, "c": 60.0}
 _NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
 """What keeps torch's NCCL watchdog from taking a process down when a communicator is aborted on purpose."""
 
@@ -57,6 +60,108 @@ class Row:
     @property
     def failed(self) -> bool:
         return self.status.startswith("FAILED")
+
+
+# ---------------------------------------------------------------------------------------------- (a) the job
+JOB_STEPS = {False: 120, True: 8}
+"""Iterations of (a)'s jobs, on a GPU and in the dry run. The outside kill comes at iteration ``_kill_at``, early
+enough on a GPU for the restarted worker (a new process: imports, CUDA, the join) to rejoin before the end."""
+
+
+def _kill_at(steps: int) -> int:
+    return min(10, steps // 3)
+CPU_GPU_RTOL = 1e-2
+"""(a)'s bound on the GPU run's distance from the CPU run, per tensor, relative to its largest element: fp32
+kernels of another device sum in other orders, and Adam's normalised steps carry such last-bit differences of
+small gradients into the weights at the learning rate's size."""
+
+
+def _job_part(dry: bool, work: Path | None = None) -> dict[str, Any]:
+    """(a): the default GPT's 2 x 2 job three times under ``ds-recycle launch``: failure-free on the GPU (four
+    workers sharing it), failure-free on the CPU, and on the GPU with rank 1 SIGKILLed from outside and restarted
+    by the launcher. In the dry run the GPU's jobs run on the CPU and the CPU's is not run."""
+    import torch
+
+    from ds_recycle.tools.compare import compare_state_dicts
+    from ds_recycle.tools.jobs import Launcher, MetricsTail, TrainJob
+
+    steps = JOB_STEPS[dry]
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_a_")) if work is None else work
+    work.mkdir(parents=True, exist_ok=True)
+    config = json.loads((ROOT / "configs" / "gpt_cpu_2x2.json").read_text())
+    config["optimizer"]["params"]["torch_adam"] = True  # the same optimizer code on both devices, nothing compiled
+    config_path = work / "config.json"
+    config_path.write_text(json.dumps(config))
+
+    def run(name: str, env: dict[str, str], kill_at: int | None = None) -> dict[str, Any]:
+        out, metrics, log = work / f"{name}.pt", work / f"{name}.jsonl", work / f"{name}.log"
+        argv = ["--deepspeed_config", str(config_path), "--steps", str(steps), "--metrics", str(metrics),
+                "--save-final", str(out)]
+        launcher_args = ["--restart_failed_after", "1"] if kill_at is not None else []
+        began, killed = time.perf_counter(), None
+        env = {"WANDB_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)), **env}
+        with TrainJob.start(Launcher.RECYCLE, 4, argv, log, launcher_args, env=env) as job:
+            tail = MetricsTail(metrics)
+            while job.running:
+                tail.poll()
+                if kill_at is not None and killed is None and tail.last is not None and tail.last["iter"] >= kill_at:
+                    killed = job.kill_rank(1)
+                time.sleep(0.05)
+            code = job.proc.returncode
+        text = log.read_text(errors="replace")
+        if code != 0 or not out.is_file():
+            raise RuntimeError(f"{name}: launcher exit {code}; last lines: " + " | ".join(text.splitlines()[-4:]))
+        if kill_at is not None and killed is None:
+            raise RuntimeError(f"{name}: rank 1 was never killed (iteration {kill_at} not seen in time)")
+        tail.poll()
+        records = [r for life in tail.lives for r in life]
+        device = next((line.split(" on ", 1)[1] for line in text.splitlines() if "rank 0 of 4 on " in line), "?")
+        return {"state": out, "wall_s": time.perf_counter() - began, "device": device,
+                "final_loss": records[-1]["loss"], "live_after": records[-1].get("live_workers"),
+                "events": sorted({e.get("kind", "?") for r in records for e in r.get("events", [])})}
+
+    def diff(a: Path, b: Path) -> dict[str, Any]:
+        ds = compare_state_dicts(torch.load(a, map_location="cpu", weights_only=True),
+                                 torch.load(b, map_location="cpu", weights_only=True), rtol=0.0)
+        return {"tensors": len(ds), "identical": all(d.max_abs == 0.0 for d in ds),
+                "max_rel": max(d.max_rel for d in ds), "max_abs": max(d.max_abs for d in ds)}
+
+    gpu = run("gpu", {})
+    killed = run("gpu_killed", {}, kill_at=_kill_at(steps))
+    out: dict[str, Any] = {"steps": steps, "gpu": {k: v for k, v in gpu.items() if k != "state"},
+                           "killed": {k: v for k, v in killed.items() if k != "state"},
+                           "killed_vs_gpu": diff(killed["state"], gpu["state"])}
+    if not dry:
+        cpu = run("cpu", {"CUDA_VISIBLE_DEVICES": ""})
+        out["cpu"] = {k: v for k, v in cpu.items() if k != "state"}
+        out["gpu_vs_cpu"] = diff(gpu["state"], cpu["state"])
+    return out
+
+
+def _job_rows(result: dict[str, Any], dry: bool) -> list[Row]:
+    steps, gpu, killed = result["steps"], result["gpu"], result["killed"]
+    where = "CPU, dry run" if dry else gpu["device"]
+    rows = []
+    if dry:
+        rows.append(Row("a", "default GPT 2 x 2: the GPU run against the CPU run", "-", "not run: no GPU (dry run)"))
+    else:
+        cpu, d = result["cpu"], result["gpu_vs_cpu"]
+        ok = d["max_rel"] <= CPU_GPU_RTOL and gpu["device"].startswith("cuda")
+        rows.append(Row("a", f"default GPT 2 x 2, {steps} it, 4 workers on {gpu['device']}, against the same job on "
+                             "CPU", f"{d['tensors']} tensors: max |gpu - cpu| / max |cpu| {d['max_rel']:.1e} (bound "
+                             f"{CPU_GPU_RTOL:.0e}); final loss {gpu['final_loss']:.5f} GPU, {cpu['final_loss']:.5f} "
+                             f"CPU; {gpu['wall_s']:.0f} s GPU, {cpu['wall_s']:.0f} s CPU",
+                       "ok" if ok else "FAILED: the GPU run is not the CPU run's model"))
+    d = result["killed_vs_gpu"]
+    # the restarted worker rejoins if the job lasts long enough after the kill; the model must be the same either way
+    ok = d["identical"] and "failure" in killed["events"]
+    same = "bit-identical" if d["identical"] else f"max rel {d['max_rel']:.1e}"
+    rows.append(Row("a", f"the same on {where}, rank 1 SIGKILLed from outside at iteration {_kill_at(steps)}, restarted "
+                         "1 s later", f"events {', '.join(killed['events']) or 'none'}; {killed['live_after']} live "
+                         f"at the end; against the failure-free run: {same} ({d['tensors']} tensors); "
+                         f"{killed['wall_s']:.0f} s",
+                   "ok" if ok else "FAILED: not the failure-free model, or the worker did not rejoin"))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- (b) the split
@@ -245,13 +350,14 @@ def _nccl_rows(result: dict[str, Any], dry: bool) -> list[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-_PARTS: dict[str, Callable[..., Any]] = {"b": _split_part, "c": _nccl_part}
+_PARTS: dict[str, Callable[..., Any]] = {"a": _job_part, "b": _split_part, "c": _nccl_part}
 
 
-def _run_part(part: str, dry: bool, repeats: int, env: dict[str, str]) -> tuple[Any, str | None]:
+def _run_part(part: str, dry: bool, repeats: int, env: dict[str, str], work: Path | None) -> tuple[Any, str | None]:
     """The part's JSON result from a subprocess, or (None, why it failed)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--repeats", str(repeats)]
     argv += ["--dry-run"] if dry else []
+    argv += ["--work", str(work)] if work is not None else []
     limit = PART_TIMEOUT_S[part]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, env=env, cwd=ROOT)
@@ -275,24 +381,28 @@ def _install_wheels(folder: Path) -> str:
     return target
 
 
-def check(dry: bool, repeats: int, wheels: Path | None) -> list[Row]:
+def check(dry: bool, repeats: int, wheels: Path | None, parts: str = "abcd", work: Path | None = None) -> list[Row]:
     env = {**os.environ, **_NCCL_ENV, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *([_install_wheels(wheels)] if wheels else []), os.environ.get("PYTHONPATH", "")])}
     env.setdefault("OMP_NUM_THREADS", "1" if dry else "8")
     gpus = 0 if dry else _gpus()
     rows: list[Row] = []
     why_not = "no CUDA device" if not dry and gpus == 0 else None
-    rows.append(Row("a", "default GPT 2 x 2 on one shared GPU, host-staged", "-",
-                    "not run: workers cannot yet be placed on one shared GPU (the transport choice, "
-                    "recycle.transport, is not built; the engine's tensors and gloo's staging are device-generic)"))
-    for part, to_rows in (("b", _split_rows), ("c", _nccl_rows)):
+    for part, to_rows in (("b", _split_rows), ("c", _nccl_rows), ("a", _job_rows)):  # the jobs last: the longest
+        if part not in parts:
+            continue
         if why_not is not None:
             rows.append(Row(part, "-", "-", f"not run: {why_not}"))
             continue
-        result, failure = _run_part(part, dry, repeats, env)
-        rows += to_rows(result, dry) if failure is None else [Row(part, "-", "-", failure)]
-    rows.append(Row("d", "NCCL 2 x 1, a worker killed from outside", "-",
-                    "not run: " + ("needs two GPUs" if gpus < 2 else "no NCCL transport in the engine yet")))
+        began = time.perf_counter()
+        result, failure = _run_part(part, dry, repeats, env, work)
+        new = to_rows(result, dry) if failure is None else [Row(part, "-", "-", failure)]
+        print(f"({part}) {time.perf_counter() - began:.0f} s: " + "; ".join(f"{r.result} [{r.status}]" for r in new),
+              file=sys.stderr, flush=True)
+        rows += new
+    if "d" in parts:
+        rows.append(Row("d", "NCCL 2 x 1, a worker killed from outside", "-",
+                        "not run: " + ("needs two GPUs" if gpus < 2 else "no NCCL transport in the engine yet")))
     return rows
 
 
@@ -316,17 +426,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of (b), alternated (default 5)")
     p.add_argument("--wheels", type=Path, default=None, help="install these wheels for the parts first")
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    p.add_argument("--parts", default="abcd", help="which parts to run, e.g. 'bc' (default abcd: all)")
+    p.add_argument("--work", type=Path, default=None, help="keep (a)'s configs, logs and final models here")
     p.add_argument("--part", choices=sorted(_PARTS), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not args.parts or set(args.parts) - set("abcd"):
+        p.error(f"--parts {args.parts!r}: give letters among a, b, c and d")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: give 1 or more")
     if args.part is not None:  # one part, in the subprocess the driver started
         sys.path.insert(0, str(ROOT))
-        kwargs = {"repeats": args.repeats} if args.part == "b" else {}
+        kwargs: dict[str, Any] = {"b": {"repeats": args.repeats}, "a": {"work": args.work}}.get(args.part, {})
         print("RESULT " + json.dumps(_PARTS[args.part](args.dry_run, **kwargs)), flush=True)
         return 0
     began = time.perf_counter()
-    rows = check(args.dry_run, args.repeats, args.wheels)
+    rows = check(args.dry_run, args.repeats, args.wheels, args.parts, args.work)
     head = (f"gpu_check{' --dry-run (CPU)' if args.dry_run else ''}: {platform.node()}, {platform.machine()}, "
             f"python {platform.python_version()}; {time.perf_counter() - began:.0f} s")
     text = head + "\n" + table(rows)

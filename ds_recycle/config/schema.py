@@ -200,6 +200,11 @@ class RecycleConfig:
     """Failure-free schedule: DeepSpeed's 1F1B, zero-bubble ZB-H1, or the planner's choice."""
     optimizer_step: Literal["staggered", "synchronous"] = "staggered"
     """Each stage steps when its own work is done, or all stages step together."""
+    transport: Literal["auto", "gloo", "nccl"] = "auto"
+    """How boundary tensors and reductions travel between workers. ``"auto"`` and ``"gloo"``: gloo, on GPUs too,
+    CUDA tensors staged through host memory (workers may share a GPU). ``"nccl"`` is refused at start: the NCCL
+    transport (one communicator set per membership epoch, aborted and rebuilt on a failure) is not in this
+    version."""
     memory_limit: int | None = None
     """Most micro-batches whose activations one worker may hold; null: the planner's default."""
     assume_failed: tuple[Worker, ...] = ()
@@ -243,6 +248,10 @@ class RecycleConfig:
         if self.memory_limit is not None and self.memory_limit < 1:
             raise ConfigError("recycle.memory_limit", f"{self.memory_limit} is below 1",
                               "use a positive number of micro-batches, or null")
+        if self.transport == "nccl":
+            raise ConfigError("recycle.transport", "\"nccl\": this version has no NCCL transport (one communicator "
+                              "set per membership epoch, aborted and rebuilt on a failure)",
+                              "use \"auto\" or \"gloo\": on GPUs the tensors travel over gloo through host memory")
         self._check_assume_failed()
         self._check_faults()
 

@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import torch
 
+from ds_recycle.resilience.accelerator import place_worker
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["World", "disable_cpu_jit_ops", "end_start_up_without_handler", "init_worker", "peer_lost_in_start_up",
@@ -94,7 +96,7 @@ def disable_cpu_jit_ops() -> None:
 
 
 def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
-    """Initialise ``torch.distributed`` (gloo on CPU) through DeepSpeed, without its hidden JIT builds.
+    """Initialise ``torch.distributed`` (gloo, also on GPUs) through DeepSpeed, without its hidden JIT builds.
 
     One compute thread per process unless ``OMP_NUM_THREADS`` or ``threads`` says otherwise: several
     workers sharing a CPU are many times slower when each uses several threads.
@@ -108,7 +110,10 @@ def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
     from deepspeed.comm.comm import init_distributed  # DeepSpeed's own (the launcher's bootstrap routes the
     # public names, deepspeed.init_distributed and deepspeed.comm.init_distributed, here)
 
-    backend = "gloo" if not torch.cuda.is_available() else "nccl"
+    # gloo on GPUs too: CUDA tensors are staged through host memory (ds_recycle.engine.devices) until the NCCL
+    # transport exists (recycle.transport); placed first, so that DeepSpeed's own placements find the device
+    place_worker(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "gloo"
     rejoining = False
     import torch.distributed as dist
 
@@ -127,7 +132,5 @@ def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
     world = World(rank=dist.get_rank(), world_size=dist.get_world_size(),
                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                   resilient=under_recycle_launcher(), rejoining=rejoining)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(world.local_rank)
     _WORLD = world
     return world

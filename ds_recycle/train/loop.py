@@ -181,6 +181,7 @@ def _train(cfg: TrainConfig, args: argparse.Namespace) -> int:
 
     world = init_worker()
     cfg.check_world_size(world.world_size)
+    logger.info("rank %d of %d on %s", world.rank, world.world_size, _device_text())
     runner = _make_runner(cfg, world)
     if hasattr(runner, "fallback_directory"):  # a whole lost stage falls back to this directory's checkpoint
         runner.fallback_directory = args.checkpoint_dir
@@ -274,6 +275,18 @@ def _resume(runner: Runner, args: argparse.Namespace) -> int:
         return 0
     logger.info("resumed from %s at iteration %d", args.checkpoint_dir, start)
     return start
+
+
+def _device_text() -> str:
+    """Where this worker computes, for the log: ``cpu``, or ``cuda:<i> (<name>), shared by <n> workers``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    index = torch.cuda.current_device()
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // max(torch.cuda.device_count(), 1)
+    return (f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+            + (f", shared by {sharing} workers (gloo through host memory)" if sharing > 1 else ""))
 
 
 def _make_runner(cfg: TrainConfig, world: World) -> Runner:

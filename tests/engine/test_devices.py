@@ -8,11 +8,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ds_recycle.engine.devices import HOST, StagedWork, device_of, host_buffer, host_copy, staged
+from ds_recycle.resilience.accelerator import place_worker, shared_cuda_accelerator, worker_device_index
 from ds_recycle.resilience.comm import EpochGroup
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ds_recycle"
@@ -84,3 +86,20 @@ def test_a_staged_operation_copies_its_outputs_back_once_waited_for() -> None:
     assert op.wait() and work.waited == 1 and torch.equal(target, host)
     target.zero_()
     assert op.wait() and torch.equal(target, torch.zeros(3, device=HOST))  # copied once, not again
+
+
+# ------------------------------------------------------------------------------------ workers sharing a GPU
+def test_workers_beyond_the_gpus_share_them_round_robin_and_deepspeed_places_them_there() -> None:
+    """DeepSpeed places a worker on ``device_name(LOCAL_RANK)``: with fewer GPUs than workers, the shared
+    accelerator reads local rank ``i`` as GPU ``i mod GPUs`` (built here without a GPU: only names are asked)."""
+    assert [worker_device_index(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]
+    accelerator = shared_cuda_accelerator(1)
+    assert [accelerator.device_name(r) for r in range(4)] == ["cuda:0"] * 4
+    assert accelerator.device(3) == torch.device("cuda", 0) and accelerator.device_name() == "cuda"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        worker_device_index(0, 0)
+
+
+def test_a_cpu_worker_is_placed_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert place_worker(3) is None
