@@ -20,7 +20,7 @@ A part that cannot run here says why in its row ("not run: ..."); it is never co
 when a part that ran failed.
 
 ``--dry-run`` runs the same code on CPU at a tiny size so that it cannot rot (``tests/benchmarks``): (a) with 8
-iterations, both jobs on the CPU; (b) with d_model 128, sequence 64; (c) on gloo, whose abort cannot release a
+iterations of a 2-layer GPT of width 64, both jobs on the CPU; (b) with d_model 128, sequence 64; (c) on gloo, whose abort cannot release a
 pending receive, so that half is not run. ``--parts`` picks parts (``--parts bc``); ``--work DIR`` keeps (a)'s
 logs and models.
 ``--wheels DIR`` first installs the wheels in DIR (``pip --no-index --no-deps --target``) for the parts'
@@ -68,6 +68,10 @@ JOB_STEPS = {False: 120, True: 8}
 enough on a GPU for the restarted worker (a new process: imports, CUDA, the join) to rejoin before the end."""
 
 
+DRY_MODEL = {"n_layer": 2, "d_model": 64, "n_head": 2, "seq_len": 32}
+"""(a)'s GPT in the dry run, in place of the default's sizes."""
+
+
 def _kill_at(steps: int) -> int:
     return min(10, steps // 3)
 CPU_GPU_RTOL = 1e-2
@@ -90,6 +94,8 @@ def _job_part(dry: bool, work: Path | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     config = json.loads((ROOT / "configs" / "gpt_cpu_2x2.json").read_text())
     config["optimizer"]["params"]["torch_adam"] = True  # the same optimizer code on both devices, nothing compiled
+    if dry:  # the same job at a tiny size: the path is what the dry run keeps from rotting
+        config["recycle"]["model"].update(DRY_MODEL)
     config_path = work / "config.json"
     config_path.write_text(json.dumps(config))
 
@@ -140,7 +146,7 @@ def _job_part(dry: bool, work: Path | None = None) -> dict[str, Any]:
 
 def _job_rows(result: dict[str, Any], dry: bool) -> list[Row]:
     steps, gpu, killed = result["steps"], result["gpu"], result["killed"]
-    where = "CPU, dry run" if dry else gpu["device"]
+    where = "CPU (dry run: 2 layers of width 64)" if dry else gpu["device"]
     rows = []
     if dry:
         rows.append(Row("a", "default GPT 2 x 2: the GPU run against the CPU run", "-", "not run: no GPU (dry run)"))

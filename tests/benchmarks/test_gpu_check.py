@@ -15,6 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.multiprocess  # (a) runs two 4-worker jobs
 def test_dry_run_kills_a_worker_of_the_job_measures_the_split_and_the_one_rank_group_and_says_what_it_did_not_run(tmp_path: Path) -> None:
     out = tmp_path / "table.txt"
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--repeats", "1",
