@@ -254,6 +254,8 @@ def _build_engine(model: PipelineModule, optimizer: Any, model_parameters: Itera
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    if cfg.recycle.deterministic and torch.cuda.is_available():
+        torch.use_deterministic_algorithms(True)  # bit-identical recomputation on peers (CPU kernels already are)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)

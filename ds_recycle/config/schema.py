@@ -205,6 +205,10 @@ class RecycleConfig:
     CUDA tensors staged through host memory (workers may share a GPU). ``"nccl"`` is refused at start: the NCCL
     transport (one communicator set per membership epoch, aborted and rebuilt on a failure) is not in this
     version."""
+    deterministic: bool = True
+    """On GPUs, torch's deterministic algorithms (``torch.use_deterministic_algorithms``): a micro-batch a peer
+    computes again gives the same bits, and a run with failures ends at the failure-free model bit for bit. An op
+    without a deterministic kernel then raises, naming itself. False leaves the setting as the script made it."""
     memory_limit: int | None = None
     """Most micro-batches whose activations one worker may hold; null: the planner's default."""
     assume_failed: tuple[Worker, ...] = ()

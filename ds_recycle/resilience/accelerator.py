@@ -9,8 +9,8 @@ own extension point (``deepspeed.accelerator.set_accelerator``): it is DeepSpeed
 ``i`` read as device ``i mod <GPUs>``, so every ``LOCAL_RANK`` names a real device and each GPU is shared by
 the workers whose local ranks fall on it.
 
-On a GPU, :func:`place_worker` also turns on torch's deterministic algorithms: a worker's micro-batch computed again
-by its peer must give the same bits, and two runs of a job the same model.
+On a GPU, :func:`place_worker` also sets cuBLAS's fixed workspace (``CUBLAS_WORKSPACE_CONFIG``), which torch's
+deterministic algorithms need there (``recycle.deterministic``).
 
 Workers that share a GPU cannot share an NCCL communicator (NCCL needs one device per rank); their tensors
 travel over gloo, staged through host memory (:mod:`ds_recycle.engine.devices`).
@@ -67,10 +67,9 @@ def place_worker(local_rank: int) -> torch.device | None:
     :func:`shared_cuda_accelerator`, so that DeepSpeed's own placements land on the same GPU."""
     if not torch.cuda.is_available():
         return None
-    # Bit-identical runs need deterministic kernels: cuBLAS's fixed workspace (read when its first handle is made,
-    # so set before any kernel) and torch's deterministic algorithms (an op without one raises, naming itself)
+    # cuBLAS reads its workspace setting when its first handle is made: set before any kernel, so that
+    # deterministic algorithms (recycle.deterministic, turned on by ds_recycle.initialize) can be deterministic
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
     devices = torch.cuda.device_count()
     index = worker_device_index(local_rank, devices)
     torch.cuda.set_device(index)
