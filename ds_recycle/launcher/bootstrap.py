@@ -87,9 +87,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script.py` does
             runpy.run_path(target, run_name="__main__")
-    except Exception:
+    except Exception as error:
+        _leave_as_lost_on_a_sticky_device_error(error)
         _leave_as_lost_if_a_peer_died_in_start_up()
         raise
+
+
+def _leave_as_lost_on_a_sticky_device_error(error: BaseException) -> None:
+    """The script raised a sticky CUDA error (:mod:`ds_recycle.resilience.device_errors`): under ``ds-recycle
+    launch`` this worker leaves as lost at once (no teardown: the device would fail it), so that its peers go on
+    without it and the launcher's restart brings it back on a fresh CUDA context."""
+    from ds_recycle.resilience.checkpoint import LOST_EXIT_CODE
+    from ds_recycle.resilience.device_errors import sticky_device_error
+    from ds_recycle.resilience.world import under_recycle_launcher
+
+    what = sticky_device_error(error)
+    if what is None or not under_recycle_launcher():
+        return
+    import traceback
+
+    traceback.print_exc()
+    sys.stderr.write(f"ds_recycle: sticky CUDA error ({what}): this process cannot use its GPU again; leaving as "
+                     f"lost (exit {LOST_EXIT_CODE}) for the launcher to restart it and the job to take it back\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(LOST_EXIT_CODE)
 
 
 def _leave_as_lost_if_a_peer_died_in_start_up() -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ds_recycle.engine.devices import HOST, host_buffer, host_copy, staged
+from ds_recycle.resilience.device_errors import sticky_device_error
 from ds_recycle.resilience.errors import PeerFailure
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ def bounded_wait(work: Work, detector: Detector, what: str) -> None:
     try:
         work.wait()
     except RuntimeError as e:  # a broken group, the dead pair's error, or the group's timeout
+        if sticky_device_error(e):  # this worker's own GPU failed (host staging): not a peer's failure
+            raise
         cause = detector.reason() if detector.tripped() else str(e)
         raise PeerFailure(f"{what}: {cause}") from e
 
@@ -166,4 +169,6 @@ class EpochGroup:
         try:
             yield
         except RuntimeError as e:
+            if sticky_device_error(e):  # this worker's own GPU failed (host staging): not a peer's failure
+                raise
             raise PeerFailure(f"group {self.name}: {what}: {e}") from e

@@ -2,8 +2,9 @@
 
     python -m ds_recycle launch --num_accelerators 4 --master_port 0 tests/launcher/allreduce_worker.py --steps 20
 
-Options: ``--die_rank R --die_step S --die_how {sigkill,exit1,exit75}`` makes rank R fail at step S (in its
-first run only, so a restarted rank finishes); ``--hang_rank R`` makes rank R sleep forever after init (for
+Options: ``--die_rank R --die_step S --die_how {sigkill,exit1,exit75,ecc,device-assert}`` makes rank R fail at
+step S (in its first run only, so a restarted rank finishes; ``ecc`` and ``device-assert`` raise the CUDA errors
+torch raises for them); ``--hang_rank R`` makes rank R sleep forever after init (for
 stop tests); ``--local_only`` skips torch.distributed entirely (each step only sleeps), so the other ranks
 are unaffected by a death; ``--deepspeed`` initializes through ``deepspeed.init_distributed``. Survivors that see a
 collective fail (the dead peer) print ``PEER_FAILED`` and
@@ -27,7 +28,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--step_sleep", type=float, default=0.0)
     parser.add_argument("--die_rank", type=int, default=None)
     parser.add_argument("--die_step", type=int, default=0)
-    parser.add_argument("--die_how", choices=["sigkill", "exit1", "exit75"], default="sigkill")
+    parser.add_argument("--die_how", choices=["sigkill", "exit1", "exit75", "ecc", "device-assert"], default="sigkill")
     parser.add_argument("--hang_rank", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--deepspeed", action="store_true")
@@ -48,6 +49,9 @@ def _init(args: argparse.Namespace) -> None:
 
 def _die(how: str) -> None:
     sys.stdout.flush()
+    if how in ("ecc", "device-assert"):  # what torch raises for these CUDA errors (this test needs no GPU)
+        raise RuntimeError("CUDA error: " + ("uncorrectable ECC error encountered" if how == "ecc" else
+                                             "device-side assert triggered"))
     if how == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1 if how == "exit1" else 75)

@@ -145,6 +145,26 @@ def test_lost_rank_is_restarted_with_the_same_rank(launch) -> None:
     assert_no_survivors(job)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("how", "lost"), [("ecc", True), ("device-assert", False)])
+def test_a_sticky_gpu_error_leaves_as_lost_and_comes_back_a_device_assert_fails_the_job(launch, how: str,
+                                                                                         lost: bool) -> None:
+    """An uncorrectable ECC error is the GPU's fault: the worker leaves as lost (75) and its restart finishes. A
+    device-side assert is the program's: an error, which fails the job."""
+    job = launch("--num_accelerators", "2", "--master_port", "0", "--restart_failed_after", "0.2",
+                 "--error_grace", "0", WORKER, "--local_only", "--steps", "20", "--step_sleep", "0.1",
+                 "--die_rank", "1", "--die_how", how)
+    code = job.finish()
+    if lost:
+        assert code == 0, job.text
+        assert "sticky CUDA error (uncorrectable ECC error encountered)" in job.text, job.text
+        assert re.search(r"rank 1 \(pid \d+\) lost: exit code 75 ", job.text), job.text
+        assert re.search(r"rank 1 \(pid \d+, restart 1\) finished: exit code 0 ", job.text), job.text
+    else:
+        assert code != 0 and "device-side assert triggered" in job.text and "sticky" not in job.text, job.text
+    assert_no_survivors(job)
+
+
 @pytest.mark.timeout(120)
 def test_deepspeed_init_distributed_works_under_the_launcher(launch) -> None:
     job = launch("--num_gpus", "2", "--master_port", "0", WORKER, "--deepspeed", "--steps", "3")
