@@ -12,17 +12,20 @@ tensor made without naming its device):
 Gloo carries host tensors only (its sends, receives, all-gathers and all-to-alls refuse CUDA tensors: the backend
 table of ``torch.distributed``'s documentation). Where gloo carries a GPU's data (ranks that share one GPU), the
 transports stage it: a host copy of each input is sent, each output is
-received into a host tensor and copied back once the operation is waited for (:func:`staged`). On the host nothing
-is copied.
+received into a host tensor and copied back once the operation is waited for (:func:`staged`); the host tensors are
+pinned. On the host nothing is copied.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HOST", "StagedWork", "device_of", "host_buffer", "host_copy", "staged"]
 
@@ -40,14 +43,35 @@ def device_of(module: nn.Module) -> torch.device:
 
 
 # ------------------------------------------------------------------------------------ host staging (gloo on a GPU)
+_pinned = True
+"""Whether staging buffers are page-locked (pinned): copies between a GPU and pinned memory run at the link's full
+speed, where pageable memory goes through the driver's own staging; torch's caching host allocator reuses them.
+Turned off for the process if pinning fails (a host that refuses page-locked memory): pageable buffers work too."""
+
+
+def _staging_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor shaped like ``tensor`` (an accelerator's), pinned where the host allows."""
+    global _pinned
+    if _pinned:
+        try:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST, pin_memory=True)
+        except RuntimeError as err:
+            _pinned = False
+            logger.warning("pinned host memory refused (%s): staging through pageable memory", err)
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST)
+
+
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """What gloo sends for ``tensor``: ``tensor`` itself on the host, else a host copy of it (made now)."""
-    return tensor if tensor.device == HOST else tensor.detach().to(HOST)
+    """What gloo sends for ``tensor``: ``tensor`` itself on the host, else a host copy of it (made now: the copy
+    returns once the data is on the host)."""
+    if tensor.device == HOST:
+        return tensor
+    return _staging_buffer(tensor).copy_(tensor.detach())
 
 
 def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
     """Where gloo writes what ends in ``tensor``: ``tensor`` itself on the host, else an empty host tensor like it."""
-    return tensor if tensor.device == HOST else torch.empty_like(tensor, device=HOST)
+    return tensor if tensor.device == HOST else _staging_buffer(tensor)
 
 
 class StagedWork:

@@ -103,3 +103,19 @@ def test_workers_beyond_the_gpus_share_them_round_robin_and_deepspeed_places_the
 def test_a_cpu_worker_is_placed_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert place_worker(3) is None
+
+
+def test_an_accelerators_tensor_is_staged_in_pinned_memory_or_pageable_where_pinning_is_refused(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A meta tensor stands for a GPU's: its staging buffer is a host tensor of its shape and dtype. This CPU build of
+    torch has no pinned allocator, so the first buffer falls back to pageable memory, says so once, and stays so."""
+    import ds_recycle.engine.devices as devices
+
+    monkeypatch.setattr(devices, "_pinned", True)
+    gpu_like = torch.empty(2, 3, dtype=torch.bfloat16, device="meta")
+    first, second = host_buffer(gpu_like), host_buffer(gpu_like)
+    for buf in (first, second):
+        assert buf.device == HOST and buf.shape == (2, 3) and buf.dtype == torch.bfloat16
+    pinnable = torch.cuda.is_available()
+    assert first.is_pinned() == pinnable and devices._pinned == pinnable
+    assert ("pinned host memory refused" in caplog.text) != pinnable
