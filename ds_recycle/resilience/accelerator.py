@@ -4,7 +4,7 @@ DeepSpeed places a worker on the device numbered by its ``LOCAL_RANK``: ``Pipeli
 ``get_accelerator().device_name(local_rank)`` and the engine calls ``get_accelerator().set_device(local_rank)``
 (``deepspeed/runtime/pipe/module.py``, ``DeepSpeedEngine._set_distributed_vars``). A node running more workers
 than it has GPUs (several stages on one GPU: a small job, a test, a check on a one-GPU machine) has no device
-``cuda:<local_rank>``. There :func:`place_worker` installs :class:`SharedCudaAccelerator` through DeepSpeed's
+``cuda:<local_rank>``. There :func:`place_worker` installs a shared accelerator (:func:`shared_cuda_accelerator`) through DeepSpeed's
 own extension point (``deepspeed.accelerator.set_accelerator``): it is DeepSpeed's CUDA accelerator with device
 ``i`` read as device ``i mod <GPUs>``, so every ``LOCAL_RANK`` names a real device and each GPU is shared by
 the workers whose local ranks fall on it.
