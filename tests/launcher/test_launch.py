@@ -51,6 +51,10 @@ def test_killed_worker_is_reported_and_survivors_keep_running(launch) -> None:
     os.kill(pids[2], signal.SIGKILL)
     store.wait(["ds_recycle/exit/2"], timedelta(seconds=10))
     assert store.get("ds_recycle/exit/2") == b"-9"
+    # the exit's keys are written first, then it is counted (publish_exit_count): the count follows shortly
+    deadline = time.monotonic() + 10.0
+    while store.add("ds_recycle/exits", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert store.add("ds_recycle/exits", 0) == 1
     job.wait_for(r"rank 2 \(pid %d\) lost: signal SIGKILL" % pids[2])
     time.sleep(0.5)
