@@ -9,6 +9,7 @@ import pytest
 from ds_recycle.resilience.comm import bounded_wait
 from ds_recycle.resilience.device_errors import STICKY_CUDA_ERRORS, sticky_device_error
 from ds_recycle.resilience.errors import PeerFailure
+from tests.harness import QuietDetector
 
 
 class _CodedError(RuntimeError):
@@ -50,17 +51,6 @@ def test_every_sticky_error_is_found_by_its_text() -> None:
         assert sticky_device_error(RuntimeError(f"CUDA error: {text}")) == text, code
 
 
-class _Detector:
-    def failed(self) -> bool:
-        return False
-
-    def tripped(self) -> bool:
-        return False
-
-    def reason(self) -> str:
-        return ""
-
-
 class _Work:
     def __init__(self, error: RuntimeError) -> None:
         self.error = error
@@ -72,7 +62,7 @@ class _Work:
 def test_a_wait_that_meets_this_workers_gpu_error_raises_it_and_a_broken_pair_is_a_peer_failure() -> None:
     ecc = RuntimeError("CUDA error: uncorrectable ECC error encountered")
     with pytest.raises(RuntimeError) as raised:
-        bounded_wait(_Work(ecc), _Detector(), "recv")  # type: ignore[arg-type]
+        bounded_wait(_Work(ecc), QuietDetector(), "recv")
     assert raised.value is ecc
     with pytest.raises(PeerFailure, match="Connection closed"):
-        bounded_wait(_Work(RuntimeError("[gloo] Connection closed by peer")), _Detector(), "recv")  # type: ignore[arg-type]
+        bounded_wait(_Work(RuntimeError("[gloo] Connection closed by peer")), QuietDetector(), "recv")
