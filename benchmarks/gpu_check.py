@@ -138,14 +138,16 @@ def _job_part(dry: bool, work: Path | None = None) -> dict[str, Any]:
         return {"tensors": len(ds), "identical": all(d.max_abs == 0.0 for d in ds),
                 "max_rel": max(d.max_rel for d in ds), "max_abs": max(d.max_abs for d in ds)}
 
+    def reported(job: dict[str, Any]) -> dict[str, Any]:  # the JSON result: all but the model file
+        return {k: v for k, v in job.items() if k != "state"}
+
     gpu = run("gpu", {})
     killed = run("gpu_killed", {}, kill_at=_kill_at(steps))
-    out: dict[str, Any] = {"steps": steps, "gpu": {k: v for k, v in gpu.items() if k != "state"},
-                           "killed": {k: v for k, v in killed.items() if k != "state"},
+    out: dict[str, Any] = {"steps": steps, "gpu": reported(gpu), "killed": reported(killed),
                            "killed_vs_gpu": diff(killed["state"], gpu["state"])}
     if not dry:
         cpu = run("cpu", {"CUDA_VISIBLE_DEVICES": ""})
-        out["cpu"] = {k: v for k, v in cpu.items() if k != "state"}
+        out["cpu"] = reported(cpu)
         out["gpu_vs_cpu"] = diff(gpu["state"], cpu["state"])
     return out
 

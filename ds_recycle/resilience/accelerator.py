@@ -25,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["place_worker", "shared_cuda_accelerator", "worker_device_index"]
+__all__ = ["place_worker", "shared_cuda_accelerator", "worker_device_index", "workers_per_gpu"]
 
 
 def worker_device_index(local_rank: int, devices: int) -> int:
@@ -42,10 +42,6 @@ def shared_cuda_accelerator(devices: int) -> Any:
     class SharedCudaAccelerator(CUDA_Accelerator):  # DeepSpeed's own CUDA accelerator, device numbers remapped
         """DeepSpeed's CUDA accelerator on a node with fewer GPUs than workers: device ``i`` is ``i mod devices``."""
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.shared_devices = devices
-
         def _index(self, device_index: Any) -> Any:
             return device_index if device_index is None else worker_device_index(int(device_index), devices)
 
@@ -61,6 +57,11 @@ def shared_cuda_accelerator(devices: int) -> Any:
     return SharedCudaAccelerator()
 
 
+def workers_per_gpu() -> int:
+    """How many of this node's workers share each GPU (``LOCAL_WORLD_SIZE`` over the GPUs; 1 when none share)."""
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // max(torch.cuda.device_count(), 1), 1)
+
+
 def place_worker(local_rank: int) -> torch.device | None:
     """Make this worker's GPU current (None on a CPU job). When the node runs more workers than it has GPUs
     (``LOCAL_WORLD_SIZE`` above the device count), DeepSpeed's accelerator becomes a
@@ -73,11 +74,10 @@ def place_worker(local_rank: int) -> torch.device | None:
     devices = torch.cuda.device_count()
     index = worker_device_index(local_rank, devices)
     torch.cuda.set_device(index)
-    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if local_workers > devices:
+    if workers_per_gpu() > 1:
         from deepspeed.accelerator import set_accelerator
 
         set_accelerator(shared_cuda_accelerator(devices))
-        logger.info("%d workers on %d GPU(s): local rank %d shares cuda:%d", local_workers, devices, local_rank,
-                    index)
+        logger.info("%d workers share each of %d GPU(s): local rank %d on cuda:%d", workers_per_gpu(), devices,
+                    local_rank, index)
     return torch.device("cuda", index)

@@ -281,10 +281,12 @@ def _device_text() -> str:
     """Where this worker computes, for the log: ``cpu``, or ``cuda:<i> (<name>), shared by <n> workers``."""
     import torch
 
+    from ds_recycle.resilience.accelerator import workers_per_gpu
+
     if not torch.cuda.is_available():
         return "cpu"
     index = torch.cuda.current_device()
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // max(torch.cuda.device_count(), 1)
+    sharing = workers_per_gpu()
     return (f"cuda:{index} ({torch.cuda.get_device_name(index)})"
             + (f", shared by {sharing} workers (gloo through host memory)" if sharing > 1 else ""))
 

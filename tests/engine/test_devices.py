@@ -14,7 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_recycle.engine.devices import HOST, StagedWork, device_of, host_buffer, host_copy, staged
-from ds_recycle.resilience.accelerator import place_worker, shared_cuda_accelerator, worker_device_index
+from ds_recycle.resilience.accelerator import (
+    place_worker,
+    shared_cuda_accelerator,
+    worker_device_index,
+    workers_per_gpu,
+)
 from ds_recycle.resilience.comm import EpochGroup
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ds_recycle"
@@ -119,3 +124,11 @@ def test_an_accelerators_tensor_is_staged_in_pinned_memory_or_pageable_where_pin
     pinnable = torch.cuda.is_available()
     assert first.is_pinned() == pinnable and devices._pinned == pinnable
     assert ("pinned host memory refused" in caplog.text) != pinnable
+
+
+def test_workers_per_gpu_is_the_nodes_workers_over_its_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert workers_per_gpu() == 4
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert workers_per_gpu() == 1
