@@ -4,8 +4,9 @@ What changes against DeepSpeed's engine (everything else, the module, the optimi
 DeepSpeed's):
 
 - ``train_batch`` runs a :class:`~ds_recycle.engine.schedule.PlanSchedule` for this worker instead of the
-  hard-coded ``TrainSchedule``, and returns the iteration's loss on the reporting rank only (no
-  pipeline-wide loss broadcast: the last stage folds its loss sum into its gradient all-reduce);
+  hard-coded ``TrainSchedule``, its transfers issued in the job's match order (:mod:`ds_recycle.engine.issue`),
+  and returns the iteration's loss on the reporting rank only (no pipeline-wide loss broadcast: the last stage
+  folds its loss sum into its gradient all-reduce);
 - ``_INSTRUCTION_MAP`` is re-declared: DeepSpeed binds function objects and looks them up by exact type,
   so every ReCycle instruction is registered with its own small ``_exec_*`` handler
   (:mod:`ds_recycle.engine.handlers`);
@@ -45,6 +46,7 @@ from ds_recycle.engine.boundary_log import BoundaryLog
 from ds_recycle.engine.driver import Driver, EngineHooks, LocalDriver
 from ds_recycle.engine.failure_surface import FailureSurface
 from ds_recycle.engine.handlers import HANDLERS, MicroBatchSourceLike, Slot
+from ds_recycle.engine.issue import IssuedSchedule, issued_schedule
 from ds_recycle.engine.layer_move import (
     PendingMove,
     held_layers,
@@ -59,7 +61,7 @@ from ds_recycle.engine.precision import MasterWeightOptimizer
 from ds_recycle.engine.recompute import use_recompute
 from ds_recycle.engine.rng import LayerSeeds
 from ds_recycle.engine.row_order import RowOrder
-from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job, rerouted_microbatches
+from ds_recycle.engine.schedule import PlanLike, Repair, check_plan_for_job, rerouted_microbatches
 from ds_recycle.engine.tied import tied_members, tied_weights
 from ds_recycle.engine.transport import DistTransport, Transport
 from ds_recycle.events import Event
@@ -148,7 +150,7 @@ class RecyclePipelineEngine(FailureSurface, PipelineEngine):
         """Parameters this stage shares with other stages (``TiedLayerSpec``; :mod:`ds_recycle.engine.tied`)."""
         self.transport: Transport = DistTransport.of_grid(self.grid, self._tied_groups())
         """Every transfer and collective of the engine (:mod:`ds_recycle.engine.transport`)."""
-        self.channel = PeerChannel(self.transport, device=self.device)
+        self.channel = PeerChannel(self.transport, device=self.device, issued=True)
         self.stepper = self._make_stepper()
         self.row_order = RowOrder(lambda pipeline: pipeline not in self.stepper.rerouted_pipelines)
         """Own rows add their weight gradients in micro-batch order (:mod:`ds_recycle.engine.row_order`)."""
@@ -252,13 +254,13 @@ class RecyclePipelineEngine(FailureSurface, PipelineEngine):
         return self._layout_cache
 
     # ------------------------------------------------------------------ schedule and loop
-    def _make_schedule(self, iteration: int) -> PlanSchedule:
-        return PlanSchedule(self.plan, self.worker, self.workers.rank_of, iteration, synchronous=self.synchronous)
+    def _make_schedule(self, iteration: int) -> IssuedSchedule:
+        return issued_schedule(self.plan, self.worker, self.workers.rank_of, iteration, synchronous=self.synchronous)
 
-    def _train_schedule(self) -> PlanSchedule:
+    def _train_schedule(self) -> IssuedSchedule:
         if self.repair is not None:
-            return PlanSchedule(self.plan, self.worker, self.workers.rank_of, self.iteration,
-                                synchronous=self.synchronous, repair=self.repair)
+            return issued_schedule(self.plan, self.worker, self.workers.rank_of, self.iteration,
+                                   synchronous=self.synchronous, repair=self.repair)
         return self._schedules[min(self.iteration, len(self._schedules) - 1)]
 
     def is_reporter(self) -> bool:
@@ -386,8 +388,8 @@ class RecyclePipelineEngine(FailureSurface, PipelineEngine):
         self._exec_finish_optimizer_step()  # evaluate the parameters of a final step
         self.module.eval()
         self._eval_sums = torch.zeros(self.workers.pipelines, device=self.device)
-        schedule = PlanSchedule(self.plan, self.worker, self.workers.rank_of, step, synchronous=self.synchronous,
-                                forward_only=True)
+        schedule = issued_schedule(self.plan, self.worker, self.workers.rank_of, step, synchronous=self.synchronous,
+                                   forward_only=True)
         evaluating, self._evaluating = self._evaluating, step
         try:
             with torch.no_grad():

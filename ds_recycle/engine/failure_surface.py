@@ -17,12 +17,13 @@ from ds_recycle.engine.backward import OwnerCapture
 from ds_recycle.engine.boundary_log import BoundaryLog, Role
 from ds_recycle.engine.driver import Driver, EngineHooks, EpochSetup
 from ds_recycle.engine.handlers import InstructionHandlers
+from ds_recycle.engine.issue import IssuedSchedule
 from ds_recycle.engine.layer_move import PendingMove, Transfer, held_layers, install_layers, receive_layers
 from ds_recycle.engine.optimizer import StaggeredOptimizer
 from ds_recycle.engine.p2p import Channel, PeerChannel
 from ds_recycle.engine.position import IterationProgress, KeptWork, Position
 from ds_recycle.engine.rng import LayerSeeds
-from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, check_plan_for_job
+from ds_recycle.engine.schedule import PlanLike, Repair, check_plan_for_job
 from ds_recycle.engine.stage_state import StageState
 
 __all__ = ["FailureSurface"]
@@ -46,11 +47,11 @@ class FailureSurface(InstructionHandlers):
     repair: Repair | None
     loss: torch.Tensor
     agg_train_loss: torch.Tensor
-    _schedules: list[PlanSchedule]
+    _schedules: list[IssuedSchedule]
     _retired: list[tuple[PeerChannel, StaggeredOptimizer]]
     _calls: int
     # the engine's methods
-    _make_schedule: Callable[[int], PlanSchedule]
+    _make_schedule: Callable[[int], IssuedSchedule]
     _make_stepper: Callable[[], StaggeredOptimizer]
 
     @property
@@ -91,7 +92,7 @@ class FailureSurface(InstructionHandlers):
         self.workers, self.plan, self.transport = setup.workers, setup.plan, setup.transport
         self.grid = self.mpu = self.module._grid = setup.grid
         self._schedules = [self._make_schedule(k) for k in range(self.plan.iterations)]
-        self.channel = PeerChannel(self.transport, device=self.device)
+        self.channel = PeerChannel(self.transport, device=self.device, issued=True)
         self.stepper = self._make_stepper()
         self.stepper.clipped_steps = old.clipped_steps
         self.stepper.adopt_contributions(old.kept_contributions())

@@ -221,6 +221,17 @@ class InstructionHandlers:
         self.row_order.submit(slot.mb, accumulate, self.progress.w_done)
 
     # ------------------------------------------------------------------ communication
+    def _exec_post_transfers(self, transfers: tuple[ins.Transfer, ...]) -> None:
+        self.channel.post(transfers, self.iteration, self._grad_like)
+
+    def _grad_like(self, mb: ins.MicroBatch) -> Payload:
+        """Empty buffers for the output gradient of ``mb`` (its forward ran on this worker)."""
+        for slot in self.slots.values():
+            if slot.mb == tuple(mb) and slot.output is not None:
+                return grad_buffers(slot.output)
+        raise RuntimeError(f"iteration {self.iteration}: the output gradient of micro-batch {mb[0]}.{mb[1]} is posted "
+                           "before its forward ran on this worker (the schedule's transfers are out of order)")
+
     def _exec_send_activation_to(self, buffer_id: int, micro_batch: ins.MicroBatch, peer: int) -> None:
         output = self.slots[buffer_id].output
         assert output is not None, f"no stage output for {micro_batch}"
@@ -262,7 +273,8 @@ class InstructionHandlers:
             assert self.boundary_log is not None
             slot.grad_output = self.boundary_log.get(self.iteration, Channel.GRAD, Role.RECEIVED, mb)
         else:
-            slot.grad_output = self.channel.recv_like(grad_buffers(slot.output), peer, Channel.GRAD, self.iteration,
+            output = slot.output
+            slot.grad_output = self.channel.recv_like(lambda: grad_buffers(output), peer, Channel.GRAD, self.iteration,
                                                       mb)
         if self.boundary_log is not None:
             self.boundary_log.record(self.iteration, Channel.GRAD, Role.RECEIVED, mb, slot.grad_output, peer)
@@ -318,6 +330,7 @@ HANDLERS: dict[type[Any], Callable[..., None]] = {
     ins.ForwardMicroBatch: InstructionHandlers._exec_forward_micro_batch,
     ins.BackwardInput: InstructionHandlers._exec_backward_input,
     ins.BackwardWeight: InstructionHandlers._exec_backward_weight,
+    ins.PostTransfers: InstructionHandlers._exec_post_transfers,
     ins.SendActivationTo: InstructionHandlers._exec_send_activation_to,
     ins.RecvActivationFrom: InstructionHandlers._exec_recv_activation_from,
     ins.SendGradTo: InstructionHandlers._exec_send_grad_to,

@@ -14,12 +14,17 @@ Common keyword arguments:
 - ``peer``: the *global rank* of the worker on the other end of a transfer, which may belong to
   another pipeline when work is re-routed around an absent worker.
 
-Communication never blocks on the sender: sends are posted asynchronously and completed by
-:class:`WaitSends`; a receive blocks (bounded by the p2p group's timeout) right before the op that needs
-the tensor. Any per-worker op order that the planner's simulator runs without deadlock is therefore
-deadlock-free here.
+Communication never blocks on the sender, and is issued in one global order. The engine lowers each worker's ops
+with :class:`PostTransfers` before its computes: every send and receive of the worker is posted in the order the
+transfers of the whole job match (:mod:`ds_recycle.engine.issue`), together with those that travel beside it (one
+NCCL group). A send instruction hands its tensors to the channel; a receive instruction waits (bounded by the p2p
+group's timeout) for a receive posted earlier; :class:`WaitSends` completes the sends. Any per-worker op order
+that the planner's simulator runs without deadlock is therefore deadlock-free here, under gloo's matching and
+NCCL's alike.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from deepspeed.runtime.pipe.schedule import (
     BufferOpInstruction,
@@ -35,7 +40,7 @@ from deepspeed.runtime.pipe.schedule import (
 __all__ = ["MicroBatch", "LoadMicroBatchOf", "ForwardMicroBatch", "BackwardInput", "BackwardWeight",
            "SendActivationTo", "RecvActivationFrom", "SendGradTo", "RecvGradFrom", "WaitSends",
            "StaggeredOptimizerStep", "FinishOptimizerStep", "SendLoggedTo", "ShareCommittedNorm",
-           "CompleteOptimizerStep", "RECYCLE_INSTRUCTIONS"]
+           "CompleteOptimizerStep", "PostTransfers", "Transfer", "RECYCLE_INSTRUCTIONS"]
 
 MicroBatch = tuple[int, int]
 """A global micro-batch: ``(owner pipeline, index within the pipeline)``."""
@@ -77,11 +82,37 @@ class BackwardWeight(BufferOpInstruction):
 
 
 # Communication
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point operation of a worker: ``kind`` (``"send"`` or ``"recv"``) of ``channel``
+    (``"activation"`` or ``"grad"``) for micro-batch ``mb`` with global rank ``peer``."""
+
+    kind: str
+    peer: int
+    channel: str
+    mb: MicroBatch
+
+    def __str__(self) -> str:
+        arrow = "->" if self.kind == "send" else "<-"
+        return f"{self.kind} {self.channel} {self.mb[0]}.{self.mb[1]} {arrow} rank {self.peer}"
+
+
+class PostTransfers(PipeInstruction):
+    """Roughly: post ``transfers`` (a tuple of :class:`Transfer`) together, in order: one NCCL group.
+
+    A send posts the tensors its :class:`SendActivationTo`, :class:`SendGradTo` or :class:`SendLoggedTo` handed
+    over in an earlier step; a receive posts the buffers that a later :class:`RecvActivationFrom` or
+    :class:`RecvGradFrom` waits for. Placed before a compute (or at the end of the iteration) by
+    :mod:`ds_recycle.engine.issue`, so that every worker posts its transfers in the order they match. Never blocks,
+    but for the first activation from a peer: its shapes come in a header, which it waits for.
+    """
+
+
 class SendActivationTo(SendActivation):
     """Roughly: ``isend(outputs[buffer_id], peer)``; the peer runs the next stage of ``micro_batch``.
 
-    Pairs with the peer's :class:`RecvActivationFrom` of the same micro-batch. Posted asynchronously:
-    completed by :class:`WaitSends`.
+    Pairs with the peer's :class:`RecvActivationFrom` of the same micro-batch. Hands the tensors over; a
+    :class:`PostTransfers` posts them and :class:`WaitSends` completes them.
     """
 
 
@@ -89,14 +120,15 @@ class RecvActivationFrom(RecvActivation):
     """Roughly: ``inputs[buffer_id] = recv(peer)`` (the previous stage's output for ``micro_batch``).
 
     Pairs with the peer's :class:`SendActivationTo`. Blocks until the tensor arrives (bounded by the p2p
-    group's timeout).
+    group's timeout) into the buffers an earlier :class:`PostTransfers` posted.
     """
 
 
 class SendGradTo(SendGrad):
     """Roughly: ``isend(inputs[buffer_id].grad, peer)``, to the worker that ran the previous stage.
 
-    Follows :class:`BackwardInput`; pairs with the peer's :class:`RecvGradFrom`. Posted asynchronously.
+    Follows :class:`BackwardInput`; pairs with the peer's :class:`RecvGradFrom`. Hands the tensors over, as
+    :class:`SendActivationTo`.
     """
 
 
@@ -123,7 +155,7 @@ class SendLoggedTo(PipeInstruction):
     so cannot compute it again) gets the activation (``grad=False``) or output gradient (``grad=True``) of
     ``micro_batch`` from whoever holds it: the worker that sent it (``received=False``) or the one that
     received it (``received=True``). Pairs with the peer's :class:`RecvActivationFrom` or
-    :class:`RecvGradFrom`; posted asynchronously.
+    :class:`RecvGradFrom`; hands the tensors over, as :class:`SendActivationTo`.
     """
 
 
@@ -167,5 +199,5 @@ class CompleteOptimizerStep(PipeInstruction):
 RECYCLE_INSTRUCTIONS: tuple[type[PipeInstruction], ...] = (
     LoadMicroBatchOf, ForwardMicroBatch, BackwardInput, BackwardWeight, SendActivationTo, RecvActivationFrom,
     SendGradTo, RecvGradFrom, WaitSends, StaggeredOptimizerStep, FinishOptimizerStep, SendLoggedTo,
-    ShareCommittedNorm, CompleteOptimizerStep)
+    ShareCommittedNorm, CompleteOptimizerStep, PostTransfers)
 """The closed set the engine executes (besides DeepSpeed's own)."""

@@ -27,23 +27,25 @@ issued, :func:`timeline` the transfers and computes they are cut from.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ds_recycle.engine.instructions import (
     BackwardInput,
     BackwardWeight,
     PipeInstruction,
+    PostTransfers,
     RecvActivationFrom,
     RecvGradFrom,
     SendActivationTo,
     SendGradTo,
     SendLoggedTo,
+    Transfer,
 )
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, Worker
 
-__all__ = ["Compute", "Item", "Transfer", "NcclPlanError", "batches_as_issued", "dense_ranks", "p2p_program", "timeline",
-           "match_order", "in_match_order", "check_order", "check_waits", "check_plan"]
+__all__ = ["Compute", "Item", "Transfer", "NcclPlanError", "batches_as_issued", "classify", "dense_ranks", "p2p_program",
+           "timeline", "match_order", "in_match_order", "issue_points", "check_order", "check_waits", "check_plan"]
 
 _P2P = {SendActivationTo: ("send", "activation"), SendGradTo: ("send", "grad"),
         RecvActivationFrom: ("recv", "activation"), RecvGradFrom: ("recv", "grad")}
@@ -54,20 +56,6 @@ def _p2p_kind(cmd: PipeInstruction) -> tuple[str, str] | None:
     if isinstance(cmd, SendLoggedTo):
         return "send", "grad" if cmd.kwargs["grad"] else "activation"
     return _P2P.get(type(cmd))
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One point-to-point operation of a worker: ``kind`` (send or recv) of ``channel`` for ``mb`` with ``peer``."""
-
-    kind: str
-    peer: int
-    channel: str
-    mb: tuple[int, int]
-
-    def __str__(self) -> str:
-        arrow = "->" if self.kind == "send" else "<-"
-        return f"{self.kind} {self.channel} {self.mb[0]}.{self.mb[1]} {arrow} rank {self.peer}"
 
 
 class NcclPlanError(ValueError):
@@ -91,33 +79,41 @@ Item = Transfer | Compute
 """One entry of a worker's :func:`timeline`."""
 
 
+def classify(steps: Sequence[Sequence[PipeInstruction]], me: int) -> Iterator[tuple[int, int, Item]]:
+    """``(step, index in the step, item)`` for every instruction of ``steps`` (rank ``me``'s) that is a transfer or a
+    compute; a tensor a worker takes from its own log is neither, nor is a ``BackwardWeight`` that only frees the
+    buffer of a fused backward."""
+    fused: set[int] = set()  # buffers whose W ran inside a fused backward: their BackwardWeight only frees them
+    for s, step in enumerate(steps):
+        for c, cmd in enumerate(step):
+            kind = _p2p_kind(cmd)
+            if kind is not None and cmd.kwargs["peer"] == me:
+                continue
+            if kind is None:
+                if isinstance(cmd, PostTransfers):
+                    continue
+                if isinstance(cmd, BackwardInput) and cmd.kwargs.get("weights"):
+                    fused.add(cmd.kwargs["buffer_id"])
+                elif isinstance(cmd, BackwardWeight) and cmd.kwargs["buffer_id"] in fused:
+                    fused.discard(cmd.kwargs["buffer_id"])
+                    continue  # no compute: the transfers around it can travel together
+                yield s, c, Compute(type(cmd).__name__)
+                continue
+            mb = cmd.kwargs["micro_batch"]
+            yield s, c, Transfer(kind[0], int(cmd.kwargs["peer"]), kind[1], (int(mb[0]), int(mb[1])))
+
+
 def timeline(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], int] | None = None,
-             repair: Repair | None = None) -> dict[int, list[Item]]:
-    """Every live worker's transfers and computes of ``iteration`` in the order the engine issues them, by rank;
-    with ``repair``, those of the repair of an interrupted ``iteration`` (a tensor a worker takes from its own log
-    is no transfer; a ``BackwardWeight`` that only frees the buffer of a fused backward is no compute)."""
+             repair: Repair | None = None, forward_only: bool = False) -> dict[int, list[Item]]:
+    """Every live worker's transfers and computes of ``iteration`` in the order the engine lowers them, by rank (see
+    :func:`classify`); with ``repair``, those of the repair of an interrupted ``iteration``; ``forward_only``: those
+    of an evaluation pass."""
     ranks = dense_ranks(plan)
     number = rank_of if rank_of is not None else ranks.__getitem__
     out: dict[int, list[Item]] = {}
     for worker in ranks:
-        items: list[Item] = []
-        fused: set[int] = set()  # buffers whose W ran inside a fused backward: their BackwardWeight only frees them
-        for step in PlanSchedule(plan, worker, number, iteration, repair=repair).steps():
-            for cmd in step:
-                kind = _p2p_kind(cmd)
-                if kind is not None and cmd.kwargs["peer"] == number(worker):
-                    continue
-                if kind is None:
-                    if isinstance(cmd, BackwardInput) and cmd.kwargs.get("weights"):
-                        fused.add(cmd.kwargs["buffer_id"])
-                    elif isinstance(cmd, BackwardWeight) and cmd.kwargs["buffer_id"] in fused:
-                        fused.discard(cmd.kwargs["buffer_id"])
-                        continue  # no compute: the transfers around it can travel together
-                    items.append(Compute(type(cmd).__name__))
-                    continue
-                mb = cmd.kwargs["micro_batch"]
-                items.append(Transfer(kind[0], int(cmd.kwargs["peer"]), kind[1], (int(mb[0]), int(mb[1]))))
-        out[number(worker)] = items
+        steps = list(PlanSchedule(plan, worker, number, iteration, repair=repair, forward_only=forward_only).steps())
+        out[number(worker)] = [item for _, _, item in classify(steps, number(worker))]
     return out
 
 
@@ -144,32 +140,51 @@ def p2p_program(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], 
     return {rank: batches_as_issued(items) for rank, items in timeline(plan, iteration, rank_of, repair).items()}
 
 
+_COST = {"ForwardMicroBatch": 1, "BackwardInput": 1, "BackwardWeight": 1}
+"""Time a compute takes in :func:`match_order`'s run (the plan's unit costs; the rest takes none)."""
+
+
 def match_order(lines: Mapping[int, list[Item]]) -> dict[int, list[int]]:
     """For every rank, the positions of its transfers in :func:`timeline` ordered by when they match in a run where
-    sends never wait (gloo's buffered sends) and computes take no time: each rank runs until a receive finds no
-    message posted for it, and a receive matches the oldest message its sender posted to it (per-pair FIFO).
+    sends never wait (gloo's buffered sends), F, B and W take one unit of time and the rest none: each rank runs
+    until a receive finds no message posted for it, a receive matches the oldest message its sender posted to it
+    (per-pair FIFO), and the rank that can go on earliest goes first (ties: the lowest rank). Any run would give an
+    order every rank can issue in; this one sends as soon as the compute before it ends, as a run would.
 
     Raises :class:`NcclPlanError` if some rank can never go on (the plan deadlocks even with buffered sends)."""
-    posted: dict[tuple[int, int], deque[tuple[int, int]]] = defaultdict(deque)
+    posted: dict[tuple[int, int], deque[tuple[int, float]]] = defaultdict(deque)  # (src, dst): (position, time)
     at = {rank: 0 for rank in lines}
+    now = {rank: 0.0 for rank in lines}
     matched: dict[tuple[int, int], int] = {}
     clock = 0
-    moved = True
-    while moved:
-        moved = False
-        for rank, items in lines.items():
-            while at[rank] < len(items):
-                item = items[at[rank]]
-                if isinstance(item, Transfer) and item.kind == "send":
-                    posted[(rank, item.peer)].append((rank, at[rank]))
-                elif isinstance(item, Transfer):
-                    queue = posted[(item.peer, rank)]
-                    if not queue:
-                        break
-                    matched[queue.popleft()] = matched[(rank, at[rank])] = clock
-                    clock += 1
-                at[rank] += 1
-                moved = True
+
+    def ready(rank: int) -> float | None:
+        """When ``rank`` can run its next item (None: finished, or waiting for a message not yet posted)."""
+        items = lines[rank]
+        if at[rank] >= len(items):
+            return None
+        item = items[at[rank]]
+        if isinstance(item, Transfer) and item.kind == "recv":
+            queue = posted[(item.peer, rank)]
+            return max(now[rank], queue[0][1]) if queue else None
+        return now[rank]
+
+    while True:
+        runnable = [(t, rank) for rank in lines if (t := ready(rank)) is not None]
+        if not runnable:
+            break
+        t, rank = min(runnable)
+        item = lines[rank][at[rank]]
+        if isinstance(item, Compute):
+            now[rank] = t + _COST.get(item.what, 0)
+        elif item.kind == "send":
+            posted[(rank, item.peer)].append((at[rank], t))
+        else:
+            sender, _ = posted[(item.peer, rank)].popleft()
+            matched[(item.peer, sender)] = matched[(rank, at[rank])] = clock
+            clock += 1
+            now[rank] = t
+        at[rank] += 1
     stuck = {rank: items[at[rank]] for rank, items in lines.items() if at[rank] < len(items)}
     if stuck:
         raise NcclPlanError("the plan deadlocks even with sends that never wait: "
@@ -180,7 +195,14 @@ def match_order(lines: Mapping[int, list[Item]]) -> dict[int, list[int]]:
 
 
 def in_match_order(lines: Mapping[int, list[Item]]) -> dict[int, list[list[Transfer]]]:
-    """Each rank's transfers issued in :func:`match_order`, cut into batches at its computes.
+    """Each rank's transfers issued in :func:`match_order`, cut into batches at its computes (see
+    :func:`issue_points`)."""
+    return {rank: [batch for _, batch in points] for rank, points in issue_points(lines).items()}
+
+
+def issue_points(lines: Mapping[int, list[Item]]) -> dict[int, list[tuple[int, list[Transfer]]]]:
+    """Each rank's transfers issued in :func:`match_order`, in batches, each with the number of the rank's computes
+    that run before it is posted (as many as the rank has: posted after its last compute).
 
     A rank issues the next transfer of that order as soon as it may: a send once the compute before it in the
     :func:`timeline` has run, a receive once the compute after it is next. It runs its next compute once every
@@ -194,8 +216,8 @@ def in_match_order(lines: Mapping[int, list[Item]]) -> dict[int, list[list[Trans
     return {rank: _issue_in_order(rank, items, order[rank]) for rank, items in lines.items()}
 
 
-def _issue_in_order(rank: int, items: list[Item], order: list[int]) -> list[list[Transfer]]:
-    """:func:`in_match_order` for one rank: its timeline ``items`` and the positions of its transfers in match
+def _issue_in_order(rank: int, items: list[Item], order: list[int]) -> list[tuple[int, list[Transfer]]]:
+    """:func:`issue_points` for one rank: its timeline ``items`` and the positions of its transfers in match
     order."""
     computes_before = [0] * len(items)
     seen = 0
@@ -206,7 +228,7 @@ def _issue_in_order(rank: int, items: list[Item], order: list[int]) -> list[list
     for k, item in enumerate(items):
         if isinstance(item, Transfer) and item.kind == "recv":
             needs[computes_before[k]] += 1
-    batches: list[list[Transfer]] = []
+    batches: list[tuple[int, list[Transfer]]] = []
     current: list[Transfer] = []
     queue = deque(order)
     done = 0
@@ -230,7 +252,7 @@ def _issue_in_order(rank: int, items: list[Item], order: list[int]) -> list[list
             issue(queue.popleft())
         if done < seen and needs[done] == 0:  # the next compute has its inputs: run it
             if current:
-                batches.append(current)
+                batches.append((done, current))
                 current = []
             done += 1
         elif queue:
@@ -238,7 +260,7 @@ def _issue_in_order(rank: int, items: list[Item], order: list[int]) -> list[list
         else:
             raise NcclPlanError(f"rank {rank}: compute {done} waits for receives that never come")
     if current:
-        batches.append(current)
+        batches.append((done, current))
     return batches
 
 

@@ -25,7 +25,10 @@ import torch.distributed as dist
 
 from ds_recycle.engine.devices import HOST, host_buffer, host_copy, staged
 
-__all__ = ["DistTransport", "Transport"]
+__all__ = ["DistTransport", "P2P", "Transport"]
+
+P2P = tuple[bool, torch.Tensor, int]
+"""A point-to-point operation to post: (is a send, tensor, peer's global rank)."""
 
 
 class Transport(Protocol):
@@ -46,6 +49,10 @@ class Transport(Protocol):
     def recv(self, buffers: Sequence[torch.Tensor], peer: int, what: str) -> None:
         """Receive the next ``len(buffers)`` messages from ``peer`` into ``buffers`` (all posted first, then waited
         for); ``what`` names them in errors."""
+        ...
+
+    def post_p2p(self, ops: Sequence[P2P]) -> list[Any]:
+        """Post sends and receives together (one NCCL group), in order; their works for :meth:`wait`, in order."""
         ...
 
     # the stage's live replicas
@@ -138,6 +145,19 @@ class DistTransport:
         for work in works:
             if work is not None:  # None only on a rank outside the group, which cannot be a peer
                 work.wait()
+
+    def post_p2p(self, ops: Sequence[P2P]) -> list[Any]:
+        if self.device != HOST and ops:  # NCCL: one group
+            return list(dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer,
+                                                           group=self.p2p_group) for send, t, peer in ops]))
+        works = []
+        for send, tensor, peer in ops:
+            if send:
+                works.append(self.isend(tensor, peer))
+            else:
+                host = self._out(tensor)
+                works.append(staged(dist.irecv(host, src=peer, group=self.p2p_group), outputs=[(tensor, host)]))
+        return works
 
     def stage_all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.stage_group)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ds_recycle.engine.devices import HOST
+from ds_recycle.engine.transport import P2P
 from ds_recycle.resilience.comm import Detector, EpochGroup, bounded_wait
 
 __all__ = ["EpochComm", "EpochTransport", "LossRider"]
@@ -102,6 +103,9 @@ class EpochTransport:
         works = [self.comm.p2p.recv(b, peer) for b in buffers]
         for work in works:
             self.comm.wait(work, f"receive {what} from rank {peer}")
+
+    def post_p2p(self, ops: Sequence[P2P]) -> list[Any]:
+        return [self.comm.p2p.send(t, peer) if send else self.comm.p2p.recv(t, peer) for send, t, peer in ops]
 
     def stage_all_reduce(self, tensor: torch.Tensor) -> None:
         self.comm.wait(self.comm.stage.all_reduce_sum(tensor), "stage gradient all-reduce")

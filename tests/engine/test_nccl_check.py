@@ -13,6 +13,7 @@ from ds_recycle.engine.nccl_check import (
     check_plan,
     check_waits,
     in_match_order,
+    issue_points,
     match_order,
     p2p_program,
     timeline,
@@ -38,17 +39,19 @@ def test_head_to_head_sends_deadlock_and_a_group_does_not() -> None:
 
 
 def test_in_match_order_the_crossed_sends_travel_with_the_receives_they_wait_for() -> None:
-    """Each rank computes, sends, computes, then receives: issued so, the sends deadlock. In match order (rank 0
-    runs first, so its activation is the first message to match) rank 1 takes the activation before it sends its
-    gradient, in one batch; rank 0 sends as soon as its compute ran."""
-    f, b = Compute("ForwardPass"), Compute("BackwardInput")
+    """Each rank computes, sends, computes, then receives: issued so, the sends deadlock. In match order both
+    receives can match at time 2 (F and B take a unit), and the lower rank's goes first: rank 0 posts its send with
+    the receive that matches before it, in one batch; rank 1 sends as soon as its compute ran."""
+    f, b = Compute("ForwardMicroBatch"), Compute("BackwardInput")
     lines = {0: [f, _send(1, 0), f, _recv(1, 1, "grad"), b], 1: [b, Transfer("send", 0, "grad", (0, 1)), f,
                                                                  _recv(0, 0), f]}
     with pytest.raises(NcclPlanError, match="deadlocks"):
         check_waits({rank: [[t] for t in items if isinstance(t, Transfer)] for rank, items in lines.items()})
-    assert match_order(lines) == {0: [1, 3], 1: [3, 1]}
+    assert match_order(lines) == {0: [3, 1], 1: [1, 3]}
     program = in_match_order(lines)
-    assert program == {0: [[_send(1, 0)], [_recv(1, 1, "grad")]], 1: [[_recv(0, 0), Transfer("send", 0, "grad", (0, 1))]]}
+    assert program == {0: [[_recv(1, 1, "grad"), _send(1, 0)]],
+                       1: [[Transfer("send", 0, "grad", (0, 1))], [_recv(0, 0)]]}
+    assert issue_points(lines)[1] == [(1, [Transfer("send", 0, "grad", (0, 1))]), (2, [_recv(0, 0)])]
     check_waits(program)
 
 
