@@ -10,19 +10,23 @@ Each part runs in a subprocess of its own under a hard time limit, so a hang fai
     restarted, which must end bit-identical to the failure-free run;
 (b) what the B/W split costs on real kernels: F + B + W against F + fused backward for a stack of GPT blocks in
     bf16 (d_model 4096, sequence 2048, micro-batches 1, 2 and 4): milliseconds, peak memory, the ratio, and how
-    far the split's gradients are from the fused ones;
-(c) NCCL on one rank: a communicator built the way the engine's epochs build theirs (unregistered, nonblocking,
-    eager connect, a fresh store prefix each time), aborted and built again five times, with timings; then a
-    receive nobody sends, aborted, and the GPU checked healthy afterwards;
-(d) with two or more GPUs, an NCCL 2 x 1 job with an outside kill.
+    far the split's gradients are from the fused ones; beside it, what keeping the boundary log in pinned host
+    memory (``recycle.boundary_log: "pinned_host"``) pays a boundary tensor: its copy there;
+(c) NCCL on one rank: the engine's own epoch groups (``resilience/nccl.py``: p2p, norm and stage communicators,
+    unregistered, nonblocking, eagerly connected, under a fresh store prefix each time), used, retired (aborted
+    together in one NCCL group) and built again five times, with timings; then a receive nobody sends, whose polled
+    wait ends once the detector says a member died, the epoch retired, and the GPU checked healthy afterwards;
+(d) with two or more GPUs, a job over the NCCL transport, one GPU per worker (2 x 2 on four GPUs, 1 x 2 on two),
+    failure-free and with an outside kill and restart, which must end bit-identical.
 
 A part that cannot run here says why in its row ("not run: ..."); it is never counted as passed. The script exits 1
 when a part that ran failed.
 
 ``--dry-run`` runs the same code on CPU at a tiny size so that it cannot rot (``tests/benchmarks``): (a) with 8
 iterations of a 2-layer GPT of width 64, both jobs on the CPU; (b) with d_model 128, sequence 64; (c) on gloo,
-whose abort cannot release a pending receive, so that half is not run. ``--parts`` picks parts (``--parts bc``); ``--work DIR`` keeps (a)'s
-logs and models.
+whose abort cannot release a pending receive, so that half is not run; (d) not at all (its jobs are (a)'s code on
+another config). ``--parts`` picks parts (``--parts bc``); ``--work DIR`` keeps (a)'s and (d)'s logs and models (in
+``DIR/a`` and ``DIR/d``).
 ``--wheels DIR`` first installs the wheels in DIR (``pip --no-index --no-deps --target``) for the parts'
 subprocesses: a GPU machine without network gets DeepSpeed that way.
 """
@@ -39,11 +43,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PART_TIMEOUT_S = {"a": 330.0, "b": 120.0, "c": 60.0}
+PART_TIMEOUT_S = {"a": 330.0, "b": 120.0, "c": 60.0, "d": 230.0}
 _NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
 """What keeps torch's NCCL watchdog from taking a process down when a communicator is aborted on purpose."""
 
@@ -84,72 +89,118 @@ kernels of another device sum in other orders, and Adam's normalised steps carry
 small gradients into the weights at the learning rate's size."""
 
 
-def _job_part(dry: bool, work: Path | None = None) -> dict[str, Any]:
-    """(a): the default GPT's 2 x 2 job three times under ``ds-recycle launch``: failure-free on the GPU (four
-    workers sharing it), failure-free on the CPU, and on the GPU with rank 1 SIGKILLed from outside and restarted
-    by the launcher. In the dry run the GPU's jobs run on the CPU and the CPU's is not run."""
-    import torch
-
-    from ds_recycle.tools.compare import compare_state_dicts
-    from ds_recycle.tools.jobs import Launcher, MetricsTail, TrainJob
-
-    steps = JOB_STEPS[dry]
-    work = Path(tempfile.mkdtemp(prefix="gpu_check_a_")) if work is None else work
-    work.mkdir(parents=True, exist_ok=True)
+def _job_config(work: Path, dry: bool, name: str = "config", **recycle: Any) -> Path:
+    """The default GPT's config for the check's jobs (``recycle`` merged into its section), written into ``work``."""
     config = json.loads((ROOT / "configs" / "gpt_cpu_2x2.json").read_text())
     config["optimizer"]["params"]["torch_adam"] = True  # the same optimizer code on both devices, nothing compiled
     if dry:  # the same job at a tiny size: the path is what the dry run keeps from rotting
         config["recycle"]["model"].update(DRY_MODEL)
-    config_path = work / "config.json"
-    config_path.write_text(json.dumps(config))
+    config["recycle"].update(recycle)
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
 
-    def run(name: str, env: dict[str, str], kill_at: int | None = None) -> dict[str, Any]:
-        out, metrics, log = work / f"{name}.pt", work / f"{name}.jsonl", work / f"{name}.log"
-        argv = ["--deepspeed_config", str(config_path), "--steps", str(steps), "--metrics", str(metrics),
-                "--save-final", str(out)]
-        launcher_args = ["--restart_failed_after", "1"] if kill_at is not None else []
-        began, killed = time.perf_counter(), None
-        env = {"WANDB_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)), **env}
-        with TrainJob.start(Launcher.RECYCLE, 4, argv, log, launcher_args, env=env) as job:
-            tail = MetricsTail(metrics)
-            while job.running:
-                if time.perf_counter() - began > JOB_TIMEOUT_S:
-                    raise RuntimeError(f"{name}: no end within {JOB_TIMEOUT_S:.0f} s; see {log}")
-                tail.poll()
-                if kill_at is not None and killed is None and tail.last is not None and tail.last["iter"] >= kill_at:
-                    killed = job.kill_rank(1)
-                time.sleep(0.05)
-            code = job.proc.returncode
-        text = log.read_text(errors="replace")
-        if code != 0 or not out.is_file():
-            raise RuntimeError(f"{name}: launcher exit {code}; last lines: " + " | ".join(text.splitlines()[-4:]))
-        if kill_at is not None and killed is None:
-            raise RuntimeError(f"{name}: rank 1 was never killed (iteration {kill_at} not seen in time)")
-        tail.poll()
-        records = [r for life in tail.lives for r in life]
-        device = next((line.split(" on ", 1)[1] for line in text.splitlines() if "rank 0 of 4 on " in line), "?")
-        return {"state": out, "wall_s": time.perf_counter() - began, "device": device,
-                "final_loss": records[-1]["loss"], "live_after": records[-1].get("live_workers"),
-                "events": sorted({e.get("kind", "?") for r in records for e in r.get("events", [])})}
 
-    def diff(a: Path, b: Path) -> dict[str, Any]:
-        ds = compare_state_dicts(torch.load(a, map_location="cpu", weights_only=True),
-                                 torch.load(b, map_location="cpu", weights_only=True), rtol=0.0)
-        return {"tensors": len(ds), "identical": all(d.max_abs == 0.0 for d in ds),
-                "max_rel": max(d.max_rel for d in ds), "max_abs": max(d.max_abs for d in ds)}
+def _run_job(work: Path, config: Path, workers: int, steps: int, name: str, env: dict[str, str],
+             kill_at: int | None = None) -> dict[str, Any]:
+    """One job under ``ds-recycle launch``, bounded by :data:`JOB_TIMEOUT_S`; with ``kill_at``, rank 1 SIGKILLed from
+    outside at that iteration and restarted by the launcher. Its final model file, wall time, device, final loss,
+    live workers at the end and events."""
+    from ds_recycle.tools.jobs import Launcher, MetricsTail, TrainJob
 
-    def reported(job: dict[str, Any]) -> dict[str, Any]:  # the JSON result: all but the model file
-        return {k: v for k, v in job.items() if k != "state"}
+    out, metrics, log = work / f"{name}.pt", work / f"{name}.jsonl", work / f"{name}.log"
+    argv = ["--deepspeed_config", str(config), "--steps", str(steps), "--metrics", str(metrics), "--save-final", str(out)]
+    launcher_args = ["--restart_failed_after", "1"] if kill_at is not None else []
+    began, killed = time.perf_counter(), None
+    env = {"WANDB_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)), **env}
+    with TrainJob.start(Launcher.RECYCLE, workers, argv, log, launcher_args, env=env) as job:
+        tail = MetricsTail(metrics)
+        while job.running:
+            if time.perf_counter() - began > JOB_TIMEOUT_S:
+                raise RuntimeError(f"{name}: no end within {JOB_TIMEOUT_S:.0f} s; see {log}")
+            tail.poll()
+            if kill_at is not None and killed is None and tail.last is not None and tail.last["iter"] >= kill_at:
+                killed = job.kill_rank(1)
+            time.sleep(0.05)
+        code = job.proc.returncode
+    text = log.read_text(errors="replace")
+    if code != 0 or not out.is_file():
+        raise RuntimeError(f"{name}: launcher exit {code}; last lines: " + " | ".join(text.splitlines()[-4:]))
+    if kill_at is not None and killed is None:
+        raise RuntimeError(f"{name}: rank 1 was never killed (iteration {kill_at} not seen in time)")
+    tail.poll()
+    records = [r for life in tail.lives for r in life]
+    device = next((line.split(" on ", 1)[1] for line in text.splitlines() if f"rank 0 of {workers} on " in line), "?")
+    return {"state": out, "wall_s": time.perf_counter() - began, "device": device,
+            "final_loss": records[-1]["loss"], "live_after": records[-1].get("live_workers"),
+            "events": sorted({e.get("kind", "?") for r in records for e in r.get("events", [])})}
 
-    gpu = run("gpu", {})
-    killed = run("gpu_killed", {}, kill_at=_kill_at(steps))
-    out: dict[str, Any] = {"steps": steps, "gpu": reported(gpu), "killed": reported(killed),
-                           "killed_vs_gpu": diff(killed["state"], gpu["state"])}
+
+def _diff(a: Path, b: Path) -> dict[str, Any]:
+    """How far model file ``a`` is from ``b``: tensors, bit-identical or not, the largest differences."""
+    import torch
+
+    from ds_recycle.tools.compare import compare_state_dicts
+
+    ds = compare_state_dicts(torch.load(a, map_location="cpu", weights_only=True),
+                             torch.load(b, map_location="cpu", weights_only=True), rtol=0.0)
+    return {"tensors": len(ds), "identical": all(d.max_abs == 0.0 for d in ds),
+            "max_rel": max(d.max_rel for d in ds), "max_abs": max(d.max_abs for d in ds)}
+
+
+def _reported(job: dict[str, Any]) -> dict[str, Any]:
+    """A job's JSON result: all but the model file."""
+    return {k: v for k, v in job.items() if k != "state"}
+
+
+def _work(work: Path | None, part: str) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix=f"gpu_check_{part}_")) if work is None else work / part
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _job_part(dry: bool, work: Path | None = None) -> dict[str, Any]:
+    """(a): the default GPT's 2 x 2 job three times under ``ds-recycle launch``: failure-free on the GPU (four
+    workers sharing it), failure-free on the CPU, and on the GPU with rank 1 SIGKILLed from outside and restarted
+    by the launcher. In the dry run the GPU's jobs run on the CPU and the CPU's is not run."""
+    steps = JOB_STEPS[dry]
+    folder = _work(work, "a")
+    config = _job_config(folder, dry)
+    gpu = _run_job(folder, config, 4, steps, "gpu", {})
+    killed = _run_job(folder, config, 4, steps, "gpu_killed", {}, kill_at=_kill_at(steps))
+    out: dict[str, Any] = {"steps": steps, "gpu": _reported(gpu), "killed": _reported(killed),
+                           "killed_vs_gpu": _diff(killed["state"], gpu["state"])}
     if not dry:
-        cpu = run("cpu", {"CUDA_VISIBLE_DEVICES": ""})
-        out["cpu"] = reported(cpu)
-        out["gpu_vs_cpu"] = diff(gpu["state"], cpu["state"])
+        cpu = _run_job(folder, config, 4, steps, "cpu", {"CUDA_VISIBLE_DEVICES": ""})
+        out["cpu"] = _reported(cpu)
+        out["gpu_vs_cpu"] = _diff(gpu["state"], cpu["state"])
     return out
+
+
+def _nccl_job_part(dry: bool, work: Path | None = None) -> dict[str, Any]:
+    """(d): on two or more GPUs, a job over the NCCL transport, one GPU per worker (the default GPT at 2 x 2 on four
+    GPUs, at 1 x 2 on two or three), failure-free and with rank 1 SIGKILLed from outside and restarted: the two
+    models must be bit-identical."""
+    steps = JOB_STEPS[dry]
+    gpus = _gpus()
+    stages = 2 if gpus >= 4 else 1
+    folder = _work(work, "d")
+    config = _job_config(folder, dry, "nccl", transport="nccl", stages=stages, pipelines=2)
+    free = _run_job(folder, config, 2 * stages, steps, "nccl", {})
+    killed = _run_job(folder, config, 2 * stages, steps, "nccl_killed", {}, kill_at=_kill_at(steps))
+    return {"steps": steps, "shape": f"{stages} x 2", "free": _reported(free), "killed": _reported(killed),
+            "killed_vs_free": _diff(killed["state"], free["state"])}
+
+
+def _nccl_job_rows(result: dict[str, Any], dry: bool) -> list[Row]:
+    free, killed, d = result["free"], result["killed"], result["killed_vs_free"]
+    ok = d["identical"] and "failure" in killed["events"]
+    same = "bit-identical" if d["identical"] else f"max rel {d['max_rel']:.1e}"
+    return [Row("d", f"NCCL, default GPT {result['shape']}, {result['steps']} it, one GPU per worker ({free['device']} "
+                     f"...), rank 1 SIGKILLed from outside at iteration {_kill_at(result['steps'])}, restarted",
+                f"events {', '.join(killed['events']) or 'none'}; {killed['live_after']} live at the end; against the "
+                f"failure-free NCCL run: {same} ({d['tensors']} tensors); {free['wall_s']:.0f} s free, "
+                f"{killed['wall_s']:.0f} s killed", "ok" if ok else "FAILED: not the failure-free model, or no failure")]
 
 
 def _job_rows(result: dict[str, Any], dry: bool) -> list[Row]:
@@ -194,11 +245,13 @@ DRY_SPLIT = SplitSize(d_model=128, seq=64, heads=4, layers=2, micro_batches=(1, 
 
 def _split_part(dry: bool, repeats: int) -> list[dict[str, Any]]:
     """(b): per micro-batch size, medians of F, fused backward, B and W (ms), peak memory of each way, the gradient
-    difference."""
+    difference; and what ``recycle.boundary_log: "pinned_host"`` pays a boundary tensor (its copy to pinned host
+    memory, waited for: ms)."""
     import torch
 
     from ds_recycle.config import GPTConfig
     from ds_recycle.engine.backward import OwnerCapture, backward_fused, backward_input
+    from ds_recycle.engine.devices import offload
     from ds_recycle.model.gpt import Block
 
     size = DRY_SPLIT if dry else GPU_SPLIT
@@ -262,6 +315,7 @@ def _split_part(dry: bool, repeats: int) -> list[dict[str, Any]]:
         for _ in range(repeats):  # alternated, so both ways see the same machine
             tf, gf, pf = fused(x, g)
             ts, gs, ps = split(x, g)
+            times.setdefault("log", []).append(clock(partial(offload, x))[1])  # a boundary tensor to pinned host
             for k, v in tf.items():
                 times.setdefault(f"fused.{k}", []).append(v)
             for k, v in ts.items():
@@ -284,7 +338,8 @@ def _split_rows(result: list[dict[str, Any]], dry: bool) -> list[Row]:
         peak = "n/a on CPU" if dry else f"{r['peak_fused_gib']:.2f} / {r['peak_split_gib']:.2f} GiB"
         result_text = (f"F {r['fused.F']:.1f} + fused {r['fused.fused']:.1f} ms; F {r['split.F']:.1f} + B "
                        f"{r['split.B']:.1f} + W {r['split.W']:.1f} ms; ratio {r['ratio']:.3f}; peak (fused / split) "
-                       f"{peak}; grad diff {r['max_rel_grad_diff']:.1e}")
+                       f"{peak}; grad diff {r['max_rel_grad_diff']:.1e}; boundary log to pinned host "
+                       f"{r['log']:.2f} ms a tensor ({r['log'] / r['split.F']:.3f} of F)")
         # bf16 sums in another order differ by a few units of its last place (2^-8 of the largest gradient)
         ok = r["max_rel_grad_diff"] <= 2.0**-6
         out.append(Row("b", setting, result_text, "ok" if ok else "FAILED: split gradients differ from fused"))
@@ -293,22 +348,36 @@ def _split_rows(result: list[dict[str, Any]], dry: bool) -> list[Row]:
 
 # ---------------------------------------------------------------------------------------------- (c) NCCL
 def _nccl_part(dry: bool, rounds: int = 5) -> dict[str, Any]:
-    """(c): build, abort, rebuild ``rounds`` times (seconds each); then an unmatched receive and its abort."""
+    """(c): the engine's own epoch groups on one rank (``NcclEpochComm``: p2p, norm and stage communicators), built,
+    used and retired (aborted together) ``rounds`` times (seconds each); then a receive nobody sends, which the
+    polled wait gives up on once the detector says a member died, and the epoch's abort."""
     import torch
     import torch.distributed as dist
+
+    from ds_recycle.resilience.errors import PeerFailure
+    from ds_recycle.resilience.nccl import NcclEpochComm, polled_wait
+    from ds_recycle.resilience.transport import EpochComm
 
     store = dist.HashStore()
     device = torch.device("cpu" if dry else "cuda:0")
 
-    def build(prefix: str) -> Any:
-        pstore = dist.PrefixStore(prefix, store)
+    class Detector:  # the worker's failure detector, as a wait sees it: "a member died" from ``at`` on
+        def __init__(self, at: float = float("inf")) -> None:
+            self.at = at
+
+        def failed(self) -> bool:
+            return time.monotonic() >= self.at
+
+        def tripped(self) -> bool:
+            return self.failed()
+
+        def reason(self) -> str:
+            return "a member died (the check's detector)"
+
+    def build(k: int, detector: Detector) -> EpochComm:
         if dry:
-            return dist.ProcessGroupGloo(pstore, 0, 1)
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.blocking = 0
-        pg = dist.ProcessGroupNCCL(pstore, 0, 1, opts)
-        pg.eager_connect_single_device(device)
-        return pg
+            return EpochComm.build(store, k, [0], [0], 0, 30.0, detector, f"r{k}")
+        return NcclEpochComm.build_nccl(store, k, [0], [0], 0, 30.0, detector, device, f"r{k}")
 
     def sync() -> None:
         if not dry:
@@ -317,27 +386,32 @@ def _nccl_part(dry: bool, rounds: int = 5) -> dict[str, Any]:
     builds, aborts = [], []
     for k in range(rounds):
         start = time.perf_counter()
-        pg = build(f"epoch{k}/")
+        comm = build(k, Detector())
         x = torch.full((4,), float(k + 1), device=device)
-        pg.allreduce([x]).wait()
+        comm.wait(comm.norm.all_reduce_sum(x), "all-reduce")
         sync()
         builds.append(time.perf_counter() - start)
         if float(x.sum()) != 4.0 * (k + 1):
             raise RuntimeError(f"all-reduce on one rank gave {x.tolist()}")
         start = time.perf_counter()
-        pg.abort()
+        comm.retire()
         sync()
         aborts.append(time.perf_counter() - start)
-    out: dict[str, Any] = {"builds_s": builds, "aborts_s": aborts}
+    out: dict[str, Any] = {"builds_s": builds, "aborts_s": aborts, "communicators": len(comm.groups)}
     if dry:
         return out
-    pg = build("unmatched/")
+    detector = Detector(time.monotonic() + 1.0)
+    comm = build(rounds, detector)
     buf = torch.empty(1 << 20, device=device)
-    work = pg.recv([buf], 0, 0)  # from itself, never sent
-    time.sleep(1.0)
-    out["unmatched_completed_after_1s"] = bool(work.is_completed())
+    work = comm.p2p.recv(buf, 0)  # from itself, never sent: NCCL spins
     start = time.perf_counter()
-    pg.abort()
+    try:
+        polled_wait(work, detector, "a receive nobody sends", timeout_s=30.0)
+        out["unmatched_gave_up_s"] = None
+    except PeerFailure:
+        out["unmatched_gave_up_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    comm.retire()
     torch.cuda.synchronize()
     out["unmatched_abort_s"] = time.perf_counter() - start
     y = torch.arange(8.0, device=device) * 2
@@ -348,23 +422,27 @@ def _nccl_part(dry: bool, rounds: int = 5) -> dict[str, Any]:
 def _nccl_rows(result: dict[str, Any], dry: bool) -> list[Row]:
     backend = "gloo, CPU (dry run)" if dry else "NCCL, cuda:0"
     b, a = result["builds_s"], result["aborts_s"]
-    rows = [Row("c", f"one rank, {backend}: build + all-reduce, abort, x{len(b)}",
-                f"build {b[0]:.3f} s first, {statistics.median(b[1:]):.3f} s median after; abort median "
+    retired = "left behind, as gloo's are" if dry else "aborted together"
+    rows = [Row("c", f"one rank, {backend}: an epoch's {result['communicators']} groups built + all-reduce, retired "
+                     f"({retired}), x{len(b)}",
+                f"build {b[0]:.3f} s first, {statistics.median(b[1:]):.3f} s median after; retire median "
                 f"{statistics.median(a):.3f} s", "ok")]
     if dry:
         rows.append(Row("c", "one rank: a receive nobody sends, aborted", "-",
                         "not run: gloo's abort cannot release a pending receive (NCCL only)"))
     else:
-        healthy = result["healthy_after"]
-        rows.append(Row("c", "one rank, NCCL: a receive nobody sends, aborted",
-                        f"completed after 1 s: {result['unmatched_completed_after_1s']}; abort + synchronize "
-                        f"{result['unmatched_abort_s']:.3f} s; CUDA healthy after: {healthy}",
-                        "ok" if healthy else "FAILED: CUDA unusable after the abort"))
+        healthy, gave_up = result["healthy_after"], result["unmatched_gave_up_s"]
+        ok = healthy and gave_up is not None
+        waited = "never" if gave_up is None else f"after {gave_up:.3f} s"
+        rows.append(Row("c", "one rank, NCCL: a receive nobody sends, a member declared dead after 1 s, the epoch "
+                             "retired", f"the wait gave up {waited}; abort + synchronize "
+                             f"{result['unmatched_abort_s']:.3f} s; CUDA healthy after: {healthy}",
+                        "ok" if ok else "FAILED: the wait did not end, or CUDA is unusable after the abort"))
     return rows
 
 
 # ---------------------------------------------------------------------------------------------- driver
-_PARTS: dict[str, Callable[..., Any]] = {"a": _job_part, "b": _split_part, "c": _nccl_part}
+_PARTS: dict[str, Callable[..., Any]] = {"a": _job_part, "b": _split_part, "c": _nccl_part, "d": _nccl_job_part}
 
 
 def _run_part(part: str, dry: bool, repeats: int, env: dict[str, str], work: Path | None) -> tuple[Any, str | None]:
@@ -415,8 +493,12 @@ def check(dry: bool, repeats: int, wheels: Path | None, parts: str = "abcd", wor
               file=sys.stderr, flush=True)
         rows += new
     if "d" in parts:
-        rows.append(Row("d", "NCCL 2 x 1, a worker killed from outside", "-",
-                        "not run: " + ("needs two GPUs" if gpus < 2 else "no NCCL transport in the engine yet")))
+        if dry or gpus < 2:
+            rows.append(Row("d", "NCCL, one GPU per worker, a worker killed from outside", "-",
+                            "not run: needs two GPUs" + (" (dry run)" if dry else f" ({gpus} here)")))
+        else:
+            result, failure = _run_part("d", dry, repeats, env, work)
+            rows += _nccl_job_rows(result, dry) if failure is None else [Row("d", "-", "-", failure)]
     return rows
 
 
@@ -450,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--repeats {args.repeats}: give 1 or more")
     if args.part is not None:  # one part, in the subprocess the driver started
         sys.path.insert(0, str(ROOT))
-        kwargs: dict[str, Any] = {"b": {"repeats": args.repeats}, "a": {"work": args.work}}.get(args.part, {})
+        kwargs: dict[str, Any] = {"b": {"repeats": args.repeats}, "a": {"work": args.work},
+                                    "d": {"work": args.work}}.get(args.part, {})
         print("RESULT " + json.dumps(_PARTS[args.part](args.dry_run, **kwargs)), flush=True)
         return 0
     began = time.perf_counter()

@@ -201,10 +201,17 @@ class RecycleConfig:
     optimizer_step: Literal["staggered", "synchronous"] = "staggered"
     """Each stage steps when its own work is done, or all stages step together."""
     transport: Literal["auto", "gloo", "nccl"] = "auto"
-    """How boundary tensors and reductions travel between workers. ``"auto"`` and ``"gloo"``: gloo, on GPUs too,
-    CUDA tensors staged through host memory (workers may share a GPU). ``"nccl"`` is refused at start: the NCCL
-    transport (one communicator set per membership epoch, aborted and rebuilt on a failure) is not in this
-    version."""
+    """How boundary tensors and reductions travel between workers under failure handling. ``"auto"`` and
+    ``"gloo"``: gloo, on GPUs too, CUDA tensors staged through host memory (workers may share a GPU). ``"nccl"``:
+    NCCL communicators per membership epoch, aborted together and rebuilt among the survivors on a failure
+    (``ds_recycle/resilience/nccl.py``); it needs a GPU of its own for every worker, and is refused at start
+    otherwise. It has not run on GPUs yet (README, "What has run on a GPU")."""
+    boundary_log: Literal["device", "pinned_host"] = "device"
+    """Where the failure handler keeps the tensors each worker sent and received until no repair can ask for them
+    (about one iteration of boundary tensors, ``engine/boundary_log.py``). ``"device"``: references to the tensors
+    themselves, no copy, but on a GPU they hold device memory past W. ``"pinned_host"``: a copy in pinned host memory,
+    made as each is sent or received (one device-to-host copy per boundary tensor, queued on the stream), for when
+    device memory is scarce. The same on CPU."""
     deterministic: bool = True
     """On GPUs, torch's deterministic algorithms (``torch.use_deterministic_algorithms``): a micro-batch a peer
     computes again gives the same bits, and a run with failures ends at the failure-free model bit for bit. An op
@@ -252,10 +259,6 @@ class RecycleConfig:
         if self.memory_limit is not None and self.memory_limit < 1:
             raise ConfigError("recycle.memory_limit", f"{self.memory_limit} is below 1",
                               "use a positive number of micro-batches, or null")
-        if self.transport == "nccl":
-            raise ConfigError("recycle.transport", "\"nccl\": this version has no NCCL transport (one communicator "
-                              "set per membership epoch, aborted and rebuilt on a failure)",
-                              "use \"auto\" or \"gloo\": on GPUs the tensors travel over gloo through host memory")
         self._check_assume_failed()
         self._check_faults()
 

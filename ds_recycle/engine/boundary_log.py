@@ -24,8 +24,12 @@ An entry is dropped as soon as no repair can ask for it:
   of ``k + 1``, which every stage computes only after its step of ``k``).
 
 So the log holds about one iteration of boundary tensors, at most ``4 x M x`` (boundary tensor) on an
-interior stage (``2 x M x`` on the first and last), of the order of the activations a stage holds anyway, in
-host memory. :attr:`BoundaryLog.peak_bytes` is the most it referenced at once.
+interior stage (``2 x M x`` on the first and last), of the order of the activations a stage holds anyway.
+:attr:`BoundaryLog.peak_bytes` is the most it referenced at once. On an accelerator, those references keep device
+memory that W would otherwise free; ``on_host`` (``recycle.boundary_log: "pinned_host"``) keeps a copy in pinned
+host memory instead, made as each tensor is sent or received (one device-to-host copy per boundary tensor, queued
+on the stream, :func:`~ds_recycle.engine.devices.offload`), and moves it back to the device when a repair asks for
+it.
 
 Sends of an iteration complete before the stage steps (``WaitSends`` precedes
 ``StaggeredOptimizerStep``), so whatever a stepped worker sent, its receiver holds: a tensor is lost only
@@ -38,6 +42,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ds_recycle.engine.devices import HOST, offload
 from ds_recycle.engine.instructions import MicroBatch
 from ds_recycle.engine.p2p import Channel, Payload
 
@@ -63,7 +68,9 @@ def _nbytes(payload: Payload) -> int:
 class BoundaryLog:
     """References to one worker's boundary tensors of the iterations not yet final everywhere."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_host: bool = False) -> None:
+        """``on_host``: keep host copies, not references (see the module docstring)."""
+        self.on_host = on_host
         self._entries: dict[LogKey, Payload] = {}
         self._to: dict[LogKey, int] = {}
         """Sent entries -> the rank they went to."""
@@ -78,6 +85,8 @@ class BoundaryLog:
         """Keep ``payload``; ``peer``: the rank a sent entry went to, or the rank a received one came from."""
         key = (iteration, channel, role, (mb[0], mb[1]))
         self._drop(key)
+        if self.on_host:
+            payload = offload(payload) if isinstance(payload, torch.Tensor) else tuple(offload(t) for t in payload)
         self._entries[key] = payload
         self._bytes += _nbytes(payload)
         self.peak_bytes = max(self.peak_bytes, self._bytes)
@@ -101,12 +110,17 @@ class BoundaryLog:
         for key in [key for key in self._entries if key[0] == iteration and key[2] is Role.RECEIVED]:
             self._drop(key)
 
-    def get(self, iteration: int, channel: Channel, role: Role, mb: MicroBatch) -> Payload:
+    def get(self, iteration: int, channel: Channel, role: Role, mb: MicroBatch,
+            device: torch.device = HOST) -> Payload:
+        """The entry, on ``device`` (a host copy goes back there; a reference is returned as it is)."""
         try:
-            return self._entries[(iteration, channel, role, (mb[0], mb[1]))]
+            payload = self._entries[(iteration, channel, role, (mb[0], mb[1]))]
         except KeyError:
             raise RuntimeError(f"the boundary log holds no {role.value} {channel.name.lower()} of micro-batch {mb} "
                                f"of iteration {iteration}") from None
+        if not self.on_host or device == HOST:
+            return payload
+        return payload.to(device) if isinstance(payload, torch.Tensor) else tuple(t.to(device) for t in payload)
 
     def held(self, iteration: int) -> Iterator[tuple[Channel, Role, MicroBatch]]:
         """What the log holds of ``iteration``."""

@@ -27,7 +27,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOST", "StagedWork", "device_of", "host_buffer", "host_copy", "staged"]
+__all__ = ["HOST", "StagedWork", "device_of", "host_buffer", "host_copy", "offload", "staged"]
 
 HOST = torch.device("cpu")
 """The host: what gloo carries, and where host-side bookkeeping lives."""
@@ -67,6 +67,16 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device == HOST:
         return tensor
     return _staging_buffer(tensor).copy_(tensor.detach())
+
+
+def offload(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` (itself if on the host already), in pinned memory where the host allows: the copy
+    is queued on the current stream and does not wait for it (the data is there for any later use on that
+    stream, and by any host synchronization with it)."""
+    if tensor.device == HOST:
+        return tensor
+    host = _staging_buffer(tensor)
+    return host.copy_(tensor.detach(), non_blocking=host.is_pinned())
 
 
 def host_buffer(tensor: torch.Tensor) -> torch.Tensor:

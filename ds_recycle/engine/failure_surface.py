@@ -67,10 +67,11 @@ class FailureSurface(InstructionHandlers):
         """Run ``hooks`` before each instruction and each optimizer step (None: no checks)."""
         self.hooks = hooks
 
-    def keep_boundary_log(self) -> None:
-        """Keep the tensors sent and received at this stage's boundaries from now on (a repair may need them)."""
+    def keep_boundary_log(self, on_host: bool = False) -> None:
+        """Keep the tensors sent and received at this stage's boundaries from now on (a repair may need them);
+        ``on_host``: as copies in pinned host memory (:class:`~ds_recycle.engine.boundary_log.BoundaryLog`)."""
         if self.boundary_log is None:
-            self.boundary_log = BoundaryLog()
+            self.boundary_log = BoundaryLog(on_host)
 
     def finish_step(self) -> None:
         """Complete the last optimizer step (post-validation), as every iteration's first instruction does."""

@@ -246,7 +246,8 @@ class InstructionHandlers:
         mb = (micro_batch[0], micro_batch[1])
         if peer == self.global_rank:  # a repair: this worker received it before the failure
             assert self.boundary_log is not None
-            received = _detached(self.boundary_log.get(self.iteration, Channel.ACTIVATION, Role.RECEIVED, mb))
+            received = _detached(self.boundary_log.get(self.iteration, Channel.ACTIVATION, Role.RECEIVED, mb,
+                                                       self.device))
         else:
             received = self.channel.recv_activation(peer, self.iteration, mb)
         if self.boundary_log is not None:
@@ -271,7 +272,7 @@ class InstructionHandlers:
         mb = (micro_batch[0], micro_batch[1])
         if peer == self.global_rank:  # a repair: this worker received it before the failure
             assert self.boundary_log is not None
-            slot.grad_output = self.boundary_log.get(self.iteration, Channel.GRAD, Role.RECEIVED, mb)
+            slot.grad_output = self.boundary_log.get(self.iteration, Channel.GRAD, Role.RECEIVED, mb, self.device)
         else:
             output = slot.output
             slot.grad_output = self.channel.recv_like(lambda: grad_buffers(output), peer, Channel.GRAD, self.iteration,

@@ -257,7 +257,7 @@ def _issue_in_order(rank: int, items: list[Item], order: list[int]) -> list[tupl
             done += 1
         elif queue:
             issue(queue.popleft())  # a receive for a later compute comes first: issue it early
-        else:
+        elif done < seen:
             raise NcclPlanError(f"rank {rank}: compute {done} waits for receives that never come")
     if current:
         batches.append((done, current))

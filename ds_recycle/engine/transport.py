@@ -81,6 +81,11 @@ class Transport(Protocol):
         """Wait for a posted operation (``what`` names it in errors)."""
         ...
 
+    def wait_on_stream(self, work: Any, what: str) -> None:
+        """Make the device's current stream wait for a posted operation whose result only the device reads (a
+        received activation or gradient): on NCCL the host goes on; gloo has no streams and waits."""
+        ...
+
     def all_reduce_members(self, tensor: torch.Tensor, what: str) -> None:
         """SUM ``tensor`` in place over every member (blocking)."""
         ...
@@ -180,6 +185,9 @@ class DistTransport:
 
     def wait(self, work: Any, what: str) -> None:
         work.wait()
+
+    def wait_on_stream(self, work: Any, what: str) -> None:
+        work.wait()  # NCCL: the current stream waits, the host goes on; gloo: the host waits
 
     def tied_all_reduce(self, name: str, tensor: torch.Tensor) -> None:
         if self._tied_group is None:

@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ds_recycle.engine.devices import HOST, host_buffer, host_copy, staged
+from ds_recycle.engine.transport import P2P
 from ds_recycle.resilience.device_errors import sticky_device_error
 from ds_recycle.resilience.errors import PeerFailure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Detector", "EpochGroup", "Work", "bounded_wait"]
+__all__ = ["Detector", "EpochGroup", "Group", "Work", "bounded_wait"]
 
 
 _BREAK_TAG = 2**31 - 1
@@ -56,6 +57,24 @@ class Detector(Protocol):
     def reason(self) -> str:
         """Why it tripped, in words."""
         ...
+
+
+class Group(Protocol):
+    """One group of a membership epoch, addressed by global rank: :class:`EpochGroup` (gloo) or
+    :class:`~ds_recycle.resilience.nccl.NcclGroup`."""
+
+    members: list[int]
+    name: str
+
+    def break_links(self) -> None: ...
+    def post_p2p(self, ops: Sequence[P2P]) -> list[Work]: ...
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work: ...
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work: ...
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work: ...
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Work: ...
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Work: ...
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Work: ...
+    def all_reduce_max(self, tensor: torch.Tensor) -> Work: ...
 
 
 def bounded_wait(work: Work, detector: Detector, what: str) -> None:
@@ -118,6 +137,10 @@ class EpochGroup:
                 return  # expired: the context closed its pairs
 
     # Every operation takes tensors on any device: a GPU's are staged through the host (engine.devices.staged).
+    def post_p2p(self, ops: Sequence[P2P]) -> list[Work]:
+        """Post sends and receives, in order (gloo has no groups: each its own operation)."""
+        return [self.send(t, peer) if send else self.recv(t, peer) for send, t, peer in ops]
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         host = host_copy(tensor)
         with self._posting(f"send to rank {dst}"):

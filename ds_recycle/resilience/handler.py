@@ -56,6 +56,7 @@ from ds_recycle.events import (
 )
 from ds_recycle.plan import CostModel, PlanCache, StageLostError
 from ds_recycle.resilience import checkpoint as ckpt
+from ds_recycle.resilience.accelerator import workers_per_gpu
 from ds_recycle.resilience.comm import Detector
 from ds_recycle.resilience.errors import JobClosed, MembershipError, PeerFailure
 from ds_recycle.resilience.fallback import (
@@ -68,6 +69,7 @@ from ds_recycle.resilience.fallback import (
 from ds_recycle.resilience.faults import Phase
 from ds_recycle.resilience.heartbeat import Heartbeat
 from ds_recycle.resilience.injection import Faults, faults_of, slowdowns_of
+from ds_recycle.resilience.nccl import nccl_device
 from ds_recycle.resilience.phases import (
     Agreement,
     Epoch,
@@ -165,7 +167,8 @@ class FailureHandler:
         watchdog = Watchdog(lambda: connect_store(timeout_s=rc.failure_timeout_s), rank, rc.heartbeat_stale_s,
                             keys=keys, caller_store=store).start()
         self.job = Job(store, keys, rank, generation, rc.failure_timeout_s, watchdog, engine.workers, engine.stage_id,
-                       tuple(engine.tied))
+                       tuple(engine.tied), nccl_device(engine.device, workers_per_gpu())
+                       if rc.transport == "nccl" else None)
         costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
         self.plans = PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, costs, schedule=rc.schedule,
                                optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
@@ -210,7 +213,7 @@ class FailureHandler:
         life = int(os.environ.get("DS_RECYCLE_RESTART_COUNT", "0"))
         self.faults = Faults(faults_of(cfg), engine.worker, life, store, keys, rank, engine, slowdowns_of(cfg))
         check = _FailureCheck(watchdog)
-        engine.keep_boundary_log()
+        engine.keep_boundary_log(on_host=cfg.recycle.boundary_log == "pinned_host")
         engine.attach_hooks(self.faults.hooks(check) if self.faults.armed else check)
         engine.attach_driver(self)
         if rejoining:
@@ -312,7 +315,10 @@ class FailureHandler:
         logger.warning("event %s", json.dumps(event.to_dict()))
 
     def _install(self, epoch: Epoch, plan: Any, reporter: int | None = None) -> None:
+        old = getattr(self, "epoch", None)
         self.epoch = epoch
+        if old is not None and old.comm is not epoch.comm:  # (after a failure it was retired already)
+            old.comm.retire()
         self.rider.value = None  # a new epoch: the count comes with its first loss broadcast
         self.replanner.reset()  # every member of the new epoch starts from the configured costs, alike
         install(self.engine, epoch, plan, reporter)
@@ -323,6 +329,8 @@ class FailureHandler:
         job, eng = self.job, self.engine
         self.state = HandlerState.DETECTED
         detection = detect(failure, job.watchdog, self.round, self.members)
+        if hasattr(self, "epoch"):  # NCCL: every survivor aborts the failed epoch's communicators first
+            self.epoch.comm.retire()
         self._join_checked = None  # every member checks for joiners again at the boundary it repairs
         self.round += 1
         eng.settle_step()  # a step already taken is complete here, with nothing left to wait for

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ds_recycle.engine.driver import EpochSetup
@@ -32,6 +33,7 @@ from ds_recycle.resilience.comm import Detector
 from ds_recycle.resilience.errors import PeerFailure
 from ds_recycle.resilience.injection import kill_time
 from ds_recycle.resilience.membership import agree_members
+from ds_recycle.resilience.nccl import NcclEpochComm
 from ds_recycle.resilience.regroup import EpochGrid
 from ds_recycle.resilience.store import StoreKeys, connect_store
 from ds_recycle.resilience.transport import EpochComm, EpochTransport, LossRider
@@ -92,6 +94,8 @@ class Job:
     """Every worker of the job and its rank, live or not (a restarted rank runs the same worker)."""
     stage: int
     tied: tuple[TiedWeight, ...]
+    nccl_device: torch.device | None = None
+    """The GPU whose NCCL communicators the epochs use (``recycle.transport: "nccl"``); None: gloo groups."""
 
     def workers_of(self, members: Sequence[int]) -> WorkerMap:
         """The job's workers restricted to ``members``."""
@@ -182,13 +186,19 @@ def regroup(job: Job, number: int, members: Sequence[int], tag: str, rider: Loss
     # Its own store client: a connection abandoned while it waits for a dead member must not block this one.
     store = connect_store(timeout_s=job.timeout_s)
     label = f"g{job.generation}{tag}"
+    device = job.nccl_device
+
+    def build() -> EpochComm:
+        if device is None:
+            return EpochComm.build(store, number, list(members), stage_members, job.rank, job.timeout_s, job.watchdog,
+                                   label, holders)
+        return NcclEpochComm.build_nccl(store, number, list(members), stage_members, job.rank, job.timeout_s,
+                                        job.watchdog, device, label, holders)
     try:
-        comm = run_guarded(lambda: EpochComm.build(store, number, list(members), stage_members, job.rank,
-                                                   job.timeout_s, job.watchdog, label, holders),
-                           job.watchdog, job.timeout_s, f"building epoch {number}{tag}")
+        comm = run_guarded(build, job.watchdog, job.timeout_s, f"building epoch {number}{tag}")
     except RuntimeError as e:  # a member died while the groups were being connected
         raise PeerFailure(f"building the groups of epoch {number}: {e}") from e
-    # Waits block in gloo from here on: a trip of the watch breaks every group of the epoch.
+    # Waits block in gloo from here on: a trip of the watch breaks every group of the epoch (NCCL's waits poll it).
     job.watchdog.guard(comm.groups)
     grid = EpochGrid(workers, job.rank, comm)
     return Epoch(number, tuple(sorted(members)), workers, comm, grid, EpochTransport(comm, job.rank, rider))

@@ -137,13 +137,14 @@ def write_tickets(store: dist.Store, keys: StoreKeys, upto: int, after: int, acc
 
 
 def _broadcast_bytes(comm: EpochComm, payload: bytes | None, src: int, what: str) -> torch.Tensor:
-    """``src``'s ``payload`` on every member of the stage group, as a uint8 tensor (no copy on ``src``)."""
-    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=HOST)  # gloo
+    """``src``'s ``payload`` on every member of the stage group, as a uint8 host tensor (on gloo, no copy on ``src``;
+    NCCL's travels through the GPU)."""
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=comm.device)
     comm.wait(comm.stage.broadcast(size, src), f"{what}: size")
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=HOST))
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(comm.device) if payload is not None
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=comm.device))
     comm.wait(comm.stage.broadcast(data, src), f"{what}: {data.numel()} bytes")
-    return data
+    return data.to(HOST)
 
 
 def transfer_stage_state(comm: EpochComm, src: int, rank: int, engine: Any, load: bool,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ds_recycle.engine.devices import HOST
 from ds_recycle.engine.transport import P2P
-from ds_recycle.resilience.comm import Detector, EpochGroup, bounded_wait
+from ds_recycle.resilience.comm import Detector, EpochGroup, Group, bounded_wait
 
 __all__ = ["EpochComm", "EpochTransport", "LossRider"]
 
@@ -33,13 +33,15 @@ class EpochComm:
 
     epoch: int
     members: list[int]
-    p2p: EpochGroup
-    norm: EpochGroup
-    stage: EpochGroup
+    p2p: Group
+    norm: Group
+    stage: Group
     detector: Detector
     timeout_s: float
     """The groups' own timeout: the longest any single wait may last."""
-    tied: Mapping[str, EpochGroup] = field(default_factory=dict)
+    tied: Mapping[str, Group] = field(default_factory=dict)
+    device: torch.device = HOST
+    """Where the tensors the groups carry live: the host for gloo (a GPU's are staged), the GPU for NCCL."""
 
     @classmethod
     def build(cls, store: dist.Store, epoch: int, members: list[int], stage_members: list[int], rank: int,
@@ -60,12 +62,19 @@ class EpochComm:
         return cls(epoch, sorted(members), p2p, norm, stage, detector, timeout_s, tied)
 
     @property
-    def groups(self) -> list[EpochGroup]:
+    def groups(self) -> list[Group]:
         """Every group of the epoch (the detector breaks them all when it trips)."""
         return [self.p2p, self.norm, self.stage, *self.tied.values()]
 
     def wait(self, work: Any, what: str) -> None:
         bounded_wait(work, self.detector, f"epoch {self.epoch}: {what}")
+
+    def wait_on_stream(self, work: Any, what: str) -> None:
+        """A wait whose result only the device reads (gloo has no streams: :meth:`wait`)."""
+        self.wait(work, what)
+
+    def retire(self) -> None:
+        """The epoch is over on this worker: gloo groups are left as they are (kept referenced, never destroyed)."""
 
 
 class LossRider:
@@ -86,11 +95,10 @@ class LossRider:
 class EpochTransport:
     """The engine's :class:`~ds_recycle.engine.transport.Transport` on an epoch's groups (see the module docstring)."""
 
-    device = HOST
-    """The epoch's groups are gloo's: what they carry lives on the host."""
-
     def __init__(self, comm: EpochComm, rank: int, rider: LossRider | None = None) -> None:
         self.comm = comm
+        self.device = comm.device
+        """Where what the groups carry lives (the host for gloo, the GPU for NCCL)."""
         self.rank = rank
         self.rider = rider
         self._loss_work: Any = None
@@ -105,7 +113,7 @@ class EpochTransport:
             self.comm.wait(work, f"receive {what} from rank {peer}")
 
     def post_p2p(self, ops: Sequence[P2P]) -> list[Any]:
-        return [self.comm.p2p.send(t, peer) if send else self.comm.p2p.recv(t, peer) for send, t, peer in ops]
+        return self.comm.p2p.post_p2p(ops)
 
     def stage_all_reduce(self, tensor: torch.Tensor) -> None:
         self.comm.wait(self.comm.stage.all_reduce_sum(tensor), "stage gradient all-reduce")
@@ -124,6 +132,9 @@ class EpochTransport:
 
     def wait(self, work: Any, what: str) -> None:
         self.comm.wait(work, what)
+
+    def wait_on_stream(self, work: Any, what: str) -> None:
+        self.comm.wait_on_stream(work, what)
 
     def all_reduce_members(self, tensor: torch.Tensor, what: str) -> None:
         self.comm.wait(self.comm.norm.all_reduce_sum(tensor), what)

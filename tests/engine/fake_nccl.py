@@ -15,7 +15,7 @@ where they differ from gloo's, and a deadlock detector.
   involved (a failure the handler must abort) or not (a deadlock: a bug of the program).
 
 :func:`run_program` runs each rank's steps (batches of :class:`~ds_recycle.engine.nccl_check.Transfer` and
-:class:`Collective`), as the engine lowers a plan (:func:`engine_program`), in one thread per rank; each received
+:class:`Collective`), as the engine runs a plan (:func:`engine_program`), in one thread per rank; each received
 payload is checked against what the receive expects, so a per-pair order that FIFO matching would get wrong fails.
 """
 from __future__ import annotations
@@ -26,13 +26,14 @@ from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ds_recycle.engine.instructions import PostTransfers, StaggeredOptimizerStep
+from ds_recycle.engine.issue import issued_schedule
 from ds_recycle.engine.nccl_check import (
     Compute,
     Item,
     Transfer,
     batches_as_issued,
     dense_ranks,
-    in_match_order,
     timeline,
 )
 from ds_recycle.engine.schedule import PlanLike, Repair
@@ -213,17 +214,30 @@ class Outcome:
 
 def engine_program(plan: PlanLike, iteration: int = 0, repair: Repair | None = None, match_order: bool = True,
                    reductions: bool = True) -> dict[int, list[Step]]:
-    """Each live rank's steps for one iteration of ``plan`` as the engine lowers it
-    (:func:`~ds_recycle.engine.nccl_check.timeline`): its transfers in batches, issued in match order
-    (:func:`~ds_recycle.engine.nccl_check.in_match_order`) or as issued today; with ``reductions``, the stage's
-    gradient all-reduce at its ``StaggeredOptimizerStep`` (a blocking collective over the stage's live replicas)."""
+    """Each live rank's steps for one iteration of ``plan`` as the engine runs them: the batches its
+    ``PostTransfers`` post (:func:`~ds_recycle.engine.issue.issued_schedule`), or, without ``match_order``, its
+    transfers in batches as the lowering places them (:func:`~ds_recycle.engine.nccl_check.timeline`); with
+    ``reductions``, the stage's gradient all-reduce at its ``StaggeredOptimizerStep`` (a blocking collective over the
+    stage's live replicas)."""
+    ranks = dense_ranks(plan)
+    stage_of = {rank: w[1] for w, rank in ranks.items()}
+    replicas = {rank: tuple(sorted(r for r, s in stage_of.items() if s == stage_of[rank])) for rank in stage_of}
+    if match_order:
+        out: dict[int, list[Step]] = {}
+        for worker, rank in ranks.items():
+            steps: list[Step] = []
+            for step in issued_schedule(plan, worker, ranks.__getitem__, iteration, repair=repair).steps():
+                for cmd in step:
+                    if isinstance(cmd, PostTransfers):
+                        steps.append(list(cmd.kwargs["transfers"]))
+                    elif isinstance(cmd, StaggeredOptimizerStep) and reductions:
+                        steps.append(Collective(f"stage {stage_of[rank]} all-reduce", replicas[rank]))
+            out[rank] = steps
+        return out
     lines = timeline(plan, iteration, repair=repair)
-    batches = (in_match_order(lines) if match_order
-               else {rank: batches_as_issued(items) for rank, items in lines.items()})
+    batches = {rank: batches_as_issued(items) for rank, items in lines.items()}
     if not reductions:
         return {rank: list(b) for rank, b in batches.items()}
-    stage_of = {rank: w[1] for w, rank in dense_ranks(plan).items()}
-    replicas = {rank: tuple(sorted(r for r, s in stage_of.items() if s == stage_of[rank])) for rank in stage_of}
     return {rank: _with_reductions(lines[rank], batches[rank], Collective(f"stage {stage_of[rank]} all-reduce",
                                                                            replicas[rank]))
             for rank in lines}

@@ -37,7 +37,6 @@ def test_valid_config_resolves_defaults() -> None:
     (lambda c: c["recycle"].update(assume_failed=[[0, 1], [1, 1]]), "recycle.assume_failed", "every worker of stage 1"),
     (lambda c: c["recycle"].update(assume_failed=[[0, 1], [0, 1]]), "recycle.assume_failed[1]", "listed twice"),
     (lambda c: c["recycle"].update(memory_limit=0), "recycle.memory_limit", "below 1"),
-    (lambda c: c["recycle"].update(transport="nccl"), "recycle.transport", "no NCCL transport"),
     (lambda c: c["recycle"].update(transport="mpi"), "recycle.transport", "one of"),
     (lambda c: c.update(train_batch_size=10), "train_batch_size", "set train_batch_size to 16"),
     (lambda c: c.update(gradient_accumulation_steps=0), "gradient_accumulation_steps", "positive integer"),

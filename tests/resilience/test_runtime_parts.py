@@ -123,3 +123,33 @@ def test_boundary_log_releases_received_entries_at_the_step_and_sent_ones_when_t
     assert log.nbytes() == 3 * 16 and log.peak_bytes == 4 * 16
     log.heard_from(6, 7)
     assert not list(log.held(5))
+
+
+def test_a_boundary_log_on_the_host_copies_accelerator_tensors_and_gives_them_back_on_the_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``recycle.boundary_log: "pinned_host"``: a logged tensor is kept as its host copy (``devices.offload``, which
+    leaves a host tensor as it is), and a repair gets it back on its device."""
+    import ds_recycle.engine.boundary_log as boundary_log
+
+    offloaded: list[torch.Tensor] = []
+
+    def offload(tensor: torch.Tensor) -> torch.Tensor:  # a meta tensor stands for a GPU's, which CPU torch lacks
+        offloaded.append(tensor)
+        return torch.full(tensor.shape, 2.0) if tensor.device.type == "meta" else tensor
+    monkeypatch.setattr(boundary_log, "offload", offload)
+    log = BoundaryLog(on_host=True)
+    gpu_like = torch.empty(3, device="meta")
+    log.record(1, Channel.ACTIVATION, Role.RECEIVED, (0, 0), gpu_like, peer=1)
+    log.record(1, Channel.GRAD, Role.RECEIVED, (0, 0), (gpu_like, gpu_like), peer=2)
+    assert len(offloaded) == 3
+    kept = log.get(1, Channel.ACTIVATION, Role.RECEIVED, (0, 0))
+    assert isinstance(kept, torch.Tensor) and kept.device.type == "cpu" and torch.equal(kept, torch.full((3,), 2.0))
+    back = log.get(1, Channel.GRAD, Role.RECEIVED, (0, 0), device=torch.device("meta"))
+    assert isinstance(back, tuple) and [t.device.type for t in back] == ["meta", "meta"]
+
+
+def test_offload_leaves_a_host_tensor_as_it_is() -> None:
+    from ds_recycle.engine.devices import offload
+
+    host = torch.ones(2)
+    assert offload(host) is host

@@ -13,6 +13,7 @@ from ds_recycle.engine.schedule import PlanSchedule, Repair, WorkKind, repair_it
 from ds_recycle.plan import CostModel, make_plan
 from ds_recycle.resilience.salvage import decide
 from ds_recycle.runtime.grid import WorkerMap
+from tests.engine.test_issue import check_job
 
 ALL = [(d, i) for d in range(2) for i in range(4)]
 
@@ -46,12 +47,13 @@ def test_repair_keeps_finished_weight_gradients_and_runs_unfinished_work_over_it
 def _messages(plan, repair: Repair) -> tuple[Counter, Counter]:
     """Every send and every receive of the lowered repair schedules of all workers: (channel, src, dst, mb). Each
     pair's messages must also be received in the order they are sent (they match in posting order), and issued in
-    match order the repair has no wait cycle under NCCL's matching."""
+    match order, as the engine issues them, the repair has no wait cycle under NCCL's matching."""
     workers = WorkerMap.dense(plan.stages, plan.pipelines, frozenset(plan.failed))
     check_order(p2p_program(plan, 0, workers.rank_of, repair=repair))
     ordered = in_match_order(timeline(plan, 0, workers.rank_of, repair=repair))
     check_order(ordered)
     check_waits(ordered)
+    check_job(plan, workers.rank_of, "repair", repair=repair)
     sends: Counter = Counter()
     recvs: Counter = Counter()
     for worker, rank in workers.ranks.items():

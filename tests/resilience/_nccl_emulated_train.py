@@ -1,0 +1,147 @@
+"""``launch/train.py`` with ``recycle.transport: "nccl"`` on CPU: the NCCL epoch groups' code (resilience/nccl.py)
+over gloo communicators that stand in for NCCL's, so that a job runs the whole NCCL path of the failure handler
+(epoch groups built per epoch, a step's transfers posted as one group, polled waits, the epoch retired by a group
+abort before the survivors regroup) where this CPU build of torch has no NCCL.
+
+What the stand-in cannot show is NCCL itself: its "abort" fails the communicator's pending and later waits (as
+NCCL's does) but leaves gloo's operations as they are, and a wait on the stream is a wait of the host (so a worker
+blocked there is released by the watchdog's backstop abort). Each worker writes the calls it saw to ``$NCCL_CALLS_DIR``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import ds_recycle.resilience.handler as handler  # noqa: E402
+import ds_recycle.resilience.nccl as nccl  # noqa: E402
+
+CALLS: dict[str, int] = {"communicators": 0, "groups": 0, "group_aborts": 0, "aborts": 0}
+
+
+def _dump() -> None:
+    folder = os.environ.get("NCCL_CALLS_DIR")
+    if folder:
+        life = os.environ.get("DS_RECYCLE_RESTART_COUNT", "0")
+        (Path(folder) / f"rank{os.environ['RANK']}-life{life}.json").write_text(json.dumps(CALLS))
+
+
+class AllOf:
+    """The work of a coalesced group: complete once each of its operations is, or failed once its communicator is
+    aborted (as an NCCL work is). gloo's point-to-point works complete only inside their ``wait()``, so a thread waits
+    for them and the group reports that thread's end."""
+
+    def __init__(self, works: list[Any], aborted: threading.Event) -> None:
+        self.error: BaseException | None = None
+        self.aborted = aborted
+        self.thread = threading.Thread(target=self._wait_all, args=(works,), daemon=True)
+        self.thread.start()
+
+    def _wait_all(self, works: list[Any]) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 - raised by wait()
+            self.error = e
+
+    def is_completed(self) -> bool:
+        return not self.thread.is_alive() or self.aborted.is_set()
+
+    def wait(self) -> bool:
+        while self.thread.is_alive():
+            if self.aborted.is_set():
+                raise RuntimeError("NCCL communicator was aborted")
+            self.thread.join(0.01)
+        if self.error is not None:
+            raise RuntimeError(str(self.error)) from self.error
+        return True
+
+
+class DoneEvent:
+    """A CUDA event on a machine without CUDA: the stand-in's transfers are done when their wait returns."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CoalescingGloo:
+    """A gloo group with NCCL's coalescing calls: what is posted between them is one work."""
+
+    def __init__(self, gloo: Any, aborted: threading.Event) -> None:
+        self.gloo = gloo
+        self.aborted = aborted
+        self.open: list[Any] | None = None
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        self.open = []
+
+    def _end_coalescing(self, device: torch.device) -> AllOf:
+        works, self.open = self.open or [], None
+        CALLS["groups"] += 1
+        _dump()  # the worker may leave with os._exit: what it saw is on disk as it goes
+        return AllOf(works, self.aborted)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        return self._kept(self.gloo.send(tensors, dst, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return self._kept(self.gloo.recv(tensors, src, tag))
+
+    def _kept(self, work: Any) -> Any:
+        if self.open is not None:
+            self.open.append(work)
+        return work
+
+    def __getattr__(self, name: str) -> Any:  # the collectives: gloo's own
+        return getattr(self.gloo, name)
+
+
+class AbortRecorder:
+    """The backend's abort calls: counted, and every work of the communicator fails from then on."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def _group_start(self) -> None:
+        CALLS["group_aborts"] += 1
+        _dump()
+
+    def _group_end(self) -> None:
+        _dump()
+
+    def abort(self) -> None:
+        CALLS["aborts"] += 1
+        self.aborted.set()
+
+
+def connect(store: dist.Store, index: int, size: int, timeout_s: float, device: torch.device) -> tuple[Any, Any]:
+    from datetime import timedelta
+
+    CALLS["communicators"] += 1
+    _dump()
+    gloo = dist.ProcessGroupGloo(store, index, size, timedelta(seconds=timeout_s))
+    backend = AbortRecorder()
+    return backend, CoalescingGloo(gloo, backend.aborted)
+
+
+nccl.connect_nccl = connect  # type: ignore[assignment]
+torch.cuda.Event = DoneEvent  # type: ignore[misc, assignment]
+handler.nccl_device = lambda device, sharing: device  # type: ignore[assignment]  # any device: the CPU here
+sys.argv[0] = str(REPO / "launch" / "train.py")
+try:
+    runpy.run_path(str(REPO / "launch" / "train.py"), run_name="__main__")
+finally:
+    _dump()

@@ -1,0 +1,263 @@
+"""The NCCL groups of an epoch (resilience/nccl.py) against recording stand-ins for torch's NCCL backend (this CPU
+build of torch has none): a step's transfers posted as one NCCL group, waits that poll and never block, the epoch's
+communicators aborted inside one NCCL group with a deadline, nothing destroyed, and where the transport is refused."""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_recycle.config.errors import ConfigError
+from ds_recycle.resilience.errors import PeerFailure
+from ds_recycle.resilience.nccl import NcclEpochComm, NcclGroup, abort_together, nccl_device, polled_wait
+from tests.harness import assert_same_model, run, tiny_config
+
+GPU = torch.device("cuda", 0)
+
+
+class Calls:
+    """What every stand-in was asked, in order, across all of them."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+
+
+class FakeWork:
+    def __init__(self, done_after: int = 0, error: BaseException | None = None) -> None:
+        self.polls, self.done_after, self.error, self.waited = 0, done_after, error, False
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.polls > self.done_after
+
+    def wait(self) -> bool:
+        self.waited = True
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class FakePG:
+    """The unregistered ProcessGroup's calls the group makes."""
+
+    def __init__(self, calls: Calls, name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def __getattr__(self, op: str) -> Any:
+        def call(*args: Any) -> FakeWork:
+            shown = [a.rootRank if isinstance(a, dist.BroadcastOptions) else a for a in args
+                     if not isinstance(a, (dist.AllreduceOptions, dist.AllToAllOptions))]
+            self.calls.log.append((self.name, op, *shown))
+            return FakeWork()
+        return call
+
+
+class FakeBackend:
+    def __init__(self, calls: Calls, name: str, hang: threading.Event | None = None) -> None:
+        self.calls, self.name, self.hang = calls, name, hang
+
+    def _group_start(self) -> None:
+        self.calls.log.append(("group_start", self.name))
+
+    def _group_end(self) -> None:
+        self.calls.log.append(("group_end", self.name))
+
+    def abort(self) -> None:
+        self.calls.log.append(("abort", self.name))
+        if self.hang is not None:
+            self.hang.wait(5.0)
+
+    def __getattr__(self, op: str) -> Any:  # destroy, shutdown, split, ...: never called after a failure
+        raise AssertionError(f"the backend's {op} was called")
+
+
+def fake_connect(calls: Calls) -> Any:
+    def connect(store: dist.Store, index: int, size: int, timeout_s: float, device: torch.device) -> tuple[Any, Any]:
+        name = f"comm{len([c for c in calls.log if c[0] == 'connect'])}"
+        calls.log.append(("connect", name, index, size, timeout_s, str(device)))
+        return FakeBackend(calls, name), FakePG(calls, name)
+    return connect
+
+
+class Detector:
+    def __init__(self) -> None:
+        self.dead = False
+
+    def failed(self) -> bool:
+        return self.dead
+
+    def tripped(self) -> bool:
+        return self.dead
+
+    def reason(self) -> str:
+        return "rank 3 exited"
+
+
+def test_a_steps_transfers_go_as_one_nccl_group_addressed_by_the_groups_own_numbering() -> None:
+    calls = Calls()
+    group = NcclGroup(dist.HashStore(), "e1/p2p", [7, 2, 5], 5, 60.0, GPU, fake_connect(calls))
+    assert calls.log == [("connect", "comm0", 1, 3, 60.0, "cuda:0")]
+    a, b = torch.zeros(2), torch.zeros(3)
+    works = group.post_p2p([(True, a, 7), (False, b, 2)])
+    assert [c[1] for c in calls.log[1:]] == ["_start_coalescing", "send", "recv", "_end_coalescing"]
+    assert calls.log[2][2:] == ([a], 2, 0) and calls.log[3][2:] == ([b], 0, 0)  # ranks 7 and 2 are indices 2, 0
+    assert len(works) == 2 and works[0] is works[1]  # the group's work completes them all
+    assert group.post_p2p([]) == [] and len(calls.log) == 5
+    group.broadcast(a, 7)
+    group.all_reduce_sum(a)
+    assert calls.log[-2][1:] == ("broadcast", [a], 2) and calls.log[-1][1:] == ("allreduce", [a])
+    with pytest.raises(ValueError, match="rank 4 is not a member"):
+        NcclGroup(dist.HashStore(), "x", [1, 2], 4, 1.0, GPU, fake_connect(calls))
+
+
+def test_a_wait_polls_and_never_blocks_and_a_dead_member_or_the_timeout_ends_it() -> None:
+    detector = Detector()
+    work = FakeWork(done_after=3)
+    polled_wait(work, detector, "receive", timeout_s=5.0)
+    assert work.polls == 4 and work.waited
+    spinning = FakeWork(done_after=10**9)  # a peer that died inside the node: NCCL spins, reports nothing
+    threading.Timer(0.05, lambda: setattr(detector, "dead", True)).start()
+    began = time.monotonic()
+    with pytest.raises(PeerFailure, match="receive: rank 3 exited"):
+        polled_wait(spinning, detector, "receive", timeout_s=30.0)
+    assert time.monotonic() - began < 2.0 and not spinning.waited
+    with pytest.raises(PeerFailure, match="before waiting"):
+        polled_wait(FakeWork(), detector, "send", timeout_s=5.0)
+    with pytest.raises(PeerFailure, match="not complete after 0 s"):
+        polled_wait(FakeWork(done_after=10**9), Detector(), "all-reduce", timeout_s=0.05)
+    with pytest.raises(PeerFailure, match="NCCL error"):
+        polled_wait(FakeWork(error=RuntimeError("NCCL error: remote process exited")), Detector(), "send", 5.0)
+    sticky = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access") as raised:
+        polled_wait(FakeWork(error=sticky), Detector(), "send", 5.0)
+    assert not isinstance(raised.value, PeerFailure)
+
+
+def test_the_epochs_communicators_are_aborted_inside_one_nccl_group_once_and_never_destroyed() -> None:
+    calls = Calls()
+    comm = NcclEpochComm.build_nccl(dist.HashStore(), 4, [0, 2, 3], [0, 3], 3, 30.0, Detector(), GPU, "g0",
+                                    {"embed": [0, 3]}, connect=fake_connect(calls))
+    assert [(c[2], c[3]) for c in calls.log] == [(2, 3), (2, 3), (1, 2), (1, 2)]  # p2p, norm, stage, tied
+    assert comm.device == GPU and comm.members == [0, 2, 3] and comm.stage.members == [0, 3]
+    assert comm.stage.name == "e4g0/stage-0-3" and comm.tied["embed"].name == "e4g0/embed"
+    calls.log.clear()
+    comm.retire()
+    comm.retire()
+    assert calls.log == [("group_start", "comm0"), ("abort", "comm0"), ("abort", "comm1"), ("abort", "comm2"),
+                         ("abort", "comm3"), ("group_end", "comm0")]
+    assert comm.retired_in_s is not None and comm.retired_in_s < 5.0
+    comm.p2p.break_links()  # the watchdog's thread does nothing to NCCL
+    assert len(calls.log) == 6
+
+
+def test_an_abort_that_hangs_makes_the_worker_leave_within_the_deadline_and_an_abort_error_is_only_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    calls, hang = Calls(), threading.Event()
+    left: list[str] = []
+    began = time.monotonic()
+    abort_together([FakeBackend(calls, "a"), FakeBackend(calls, "b", hang)], deadline_s=0.2, on_hang=left.append)
+    assert time.monotonic() - began < 2.0 and left and "did not return within 0 s" in left[0]
+    hang.set()
+
+    class Failing(FakeBackend):
+        def abort(self) -> None:
+            raise RuntimeError("NCCL error: invalid usage")
+    abort_together([Failing(calls, "c")], deadline_s=5.0, on_hang=left.append)
+    assert len(left) == 1 and "invalid usage" in caplog.text
+
+
+def test_the_nccl_transport_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="recycle.transport.*worker whose device is cpu.*Fix: use \"auto\""):
+        nccl_device(torch.device("cpu"), 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    with pytest.raises(ConfigError, match="4 workers on each GPU"):
+        nccl_device(GPU, 4)
+    assert nccl_device(GPU, 1) == GPU
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(ConfigError, match="without NCCL"):
+        nccl_device(GPU, 1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kill, dead", [("1:0@3:forward", 1), ("0:1@2:receive", 2)])
+def test_a_job_on_the_nccl_path_over_stand_in_communicators_survives_a_kill_at_the_failure_free_model(
+        tmp_path: Path, reference: Callable[[int, int, int], Path], kill: str, dead: int) -> None:
+    """The NCCL transport's whole path in a real 2 x 2 job (tests/resilience/_nccl_emulated_train.py: gloo stands in
+    for NCCL's communicators): every epoch's groups built as NCCL's, each step's transfers posted as one group, the
+    failed epoch retired by one group abort on every survivor before they regroup, and the model at the end the
+    failure-free one, bit for bit."""
+    config = tiny_config(tmp_path, "nccl", 2, 2, failure_timeout_s=60.0, transport="nccl")
+    out, calls = tmp_path / "final.pt", tmp_path / "calls"
+    calls.mkdir()
+    job = run([sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", "4", "--master_port", "0",
+               str(Path(__file__).parent / "_nccl_emulated_train.py"), "--deepspeed_config", str(config),
+               "--steps", "7", "--save-final", str(out), "--kill", kill], timeout=180,
+              env={"NCCL_CALLS_DIR": str(calls)})
+    assert job.returncode == 0, job.output[-5000:]
+    assert_same_model(out, reference(2, 2, 7))
+    seen = {p.stem: json.loads(p.read_text()) for p in calls.glob("*.json")}
+    survivors = [seen[f"rank{r}-life0"] for r in range(4) if r != dead]
+    for rank_calls in survivors:
+        assert rank_calls["communicators"] >= 6  # p2p, norm, stage: the first epoch's and the survivors'
+        assert rank_calls["groups"] >= 2 * 7  # each iteration's transfers, in NCCL groups (M = 4: at least two)
+        assert rank_calls["group_aborts"] == 1 and rank_calls["aborts"] >= 3  # the failed epoch, all together
+    assert "NCCL communicators aborted in" in job.output
+
+
+def test_a_received_tensor_is_waited_for_on_the_stream_and_the_host_checks_the_stream_every_few_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CPU poll per transfer: the stream waits; every RUN_AHEAD waits the host polls an event on the stream, and a
+    stream stuck behind a dead member becomes a PeerFailure there."""
+    import ds_recycle.resilience.nccl as nccl
+
+    class Event:
+        stuck = False
+
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return not Event.stuck
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    detector = Detector()
+    comm = NcclEpochComm.build_nccl(dist.HashStore(), 1, [0, 1], [0], 0, 30.0, detector, GPU,
+                                    connect=fake_connect(Calls()))
+    works = [FakeWork(done_after=10**9) for _ in range(nccl.RUN_AHEAD - 1)]
+    for work in works:  # never complete on the host's side: the stream waits, the host goes on
+        comm.wait_on_stream(work, "receive")
+    assert all(w.waited and w.polls == 0 for w in works)
+    Event.stuck, detector.dead = True, True
+    with pytest.raises(PeerFailure, match="the stream, at receive: rank 3 exited"):
+        comm.wait_on_stream(FakeWork(), "receive")
+    with pytest.raises(PeerFailure, match="remote process exited"):
+        comm.wait_on_stream(FakeWork(error=RuntimeError("NCCL error: remote process exited")), "receive")
+
+
+def test_the_watchdogs_trip_aborts_the_epoch_from_its_thread_only_if_the_training_thread_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ds_recycle.resilience.nccl as nccl
+
+    monkeypatch.setattr(nccl, "BACKSTOP_S", 0.05)
+    for training_thread_retires in (False, True):
+        calls = Calls()
+        comm = NcclEpochComm.build_nccl(dist.HashStore(), 2, [0, 1], [0, 1], 1, 30.0, Detector(), GPU,
+                                        connect=fake_connect(calls))
+        for group in comm.groups:  # the watchdog breaks every group it guards
+            group.break_links()
+        if training_thread_retires:
+            comm.retire()
+        deadline = time.monotonic() + 5.0
+        while comm.retired_in_s is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert [c[0] for c in calls.log].count("group_start") == 1, calls.log
