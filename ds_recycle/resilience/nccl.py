@@ -119,6 +119,12 @@ def polled_wait(work: Pollable, detector: Detector, what: str, timeout_s: float,
             raise PeerFailure(f"{what}: not complete after {timeout_s:.0f} s (recycle.failure_timeout_s)")
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)
+    _waited(work, what)
+
+
+def _waited(work: Pollable, what: str) -> None:
+    """``work.wait()``: on NCCL the current stream waits for it; its error is a :class:`PeerFailure`, but for a sticky
+    CUDA error, raised as it is (this worker's GPU failed, not a peer)."""
     try:
         work.wait()
     except RuntimeError as e:
@@ -273,12 +279,7 @@ class NcclEpochComm(EpochComm):
 
     def wait_on_stream(self, work: Any, what: str) -> None:
         """The current stream waits for ``work``; every :data:`RUN_AHEAD` of these the host polls the stream."""
-        try:
-            work.wait()
-        except RuntimeError as e:
-            if sticky_device_error(e):
-                raise
-            raise PeerFailure(f"epoch {self.epoch}: {what}: {e}") from e
+        _waited(work, f"epoch {self.epoch}: {what}")
         self._stream_waits += 1
         if self._stream_waits >= RUN_AHEAD:
             self._stream_waits = 0

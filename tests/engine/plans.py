@@ -62,3 +62,4 @@ def one_f_one_b(stages: int, pipelines: int, microbatches: int, failed: frozense
                 ops.append(HandOp(Kind.F, 0, mbs[n + warm]))
         workers[(d, s)] = tuple(ops + tail + [HandOp(Kind.O, 0, None)])
     return HandPlan(stages, pipelines, microbatches, frozenset(failed), workers, owner, optimizer=optimizer)
+

@@ -4,13 +4,11 @@ lowering issued in match order runs every plan of the grid, with the stages' blo
 survives a kill before any of its steps."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from ds_recycle.engine.nccl_check import NcclPlanError, Transfer, check_waits, in_match_order, p2p_program, timeline
-from ds_recycle.plan import CostModel, PlanCache
 from tests.engine.fake_nccl import Collective, Step, engine_program, run_program
+from tests.engine.plan_grid import grid
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,21 +47,8 @@ def test_a_collective_completes_once_every_member_posted_it_and_a_dead_member_ha
     assert out.ends == {0: "aborted", 1: "aborted", 2: "killed"}
 
 
-def _grid() -> list[tuple[str, object]]:
-    """Plans of the planner's grid the engine would run: shapes 2x2..4x2, M = S and 2S, no, one and two failed
-    workers (two in different stages)."""
-    plans = []
-    for stages, pipelines in [(2, 2), (2, 3), (3, 2), (4, 2)]:
-        workers = [(p, s) for p in range(pipelines) for s in range(stages)]
-        failure_sets = [()] + [(w,) for w in workers] + [pair for pair in itertools.combinations(workers, 2)
-                                                        if pair[0][1] != pair[1][1]][:3]
-        for m in (stages, 2 * stages):
-            cache = PlanCache(stages, pipelines, m, CostModel.uniform(stages))
-            plans.extend((f"{stages}x{pipelines} M={m} failed {list(f)}", cache.get(f)) for f in failure_sets)
-    return plans
-
-
-GRID = _grid()
+GRID = [(name, plan) for name, plan, _ in grid(pairs=3)]
+"""Plans of the planner's grid the engine would run (the default schedule, up to three pairs of failed workers)."""
 
 
 def test_the_fake_and_the_static_check_agree_on_every_plan_as_issued_today() -> None:

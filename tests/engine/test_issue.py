@@ -3,7 +3,6 @@
 order and have no wait cycle under NCCL's matching, for every plan of the grid, its evaluation pass and repairs."""
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -12,7 +11,7 @@ from ds_recycle.engine import instructions as ins
 from ds_recycle.engine.issue import issued_schedule, place_posts
 from ds_recycle.engine.nccl_check import Transfer, check_order, check_waits, dense_ranks
 from ds_recycle.engine.schedule import PlanLike, Repair, Worker
-from ds_recycle.plan import CostModel, PlanCache
+from tests.engine.plan_grid import grid
 from tests.engine.plans import one_f_one_b
 
 _KIND = {ins.SendActivationTo: ("send", "activation"), ins.SendGradTo: ("send", "grad"),
@@ -83,23 +82,10 @@ def check_job(plan: PlanLike, rank_of: Callable[[Worker], int], where: str, repa
     return sum(len(b) for batches in program.values() for b in batches)
 
 
-def _grid(schedule: str) -> list[tuple[str, PlanLike]]:
-    plans: list[tuple[str, PlanLike]] = []
-    for stages, pipelines in [(2, 2), (2, 3), (3, 2), (4, 2)]:
-        workers = [(p, s) for p in range(pipelines) for s in range(stages)]
-        failure_sets = [()] + [(w,) for w in workers] + [pair for pair in itertools.combinations(workers, 2)
-                                                        if pair[0][1] != pair[1][1]][:4]
-        for m in (stages, 2 * stages):
-            cache = PlanCache(stages, pipelines, m, CostModel.uniform(stages), schedule=schedule)
-            plans.extend((f"{schedule} {stages}x{pipelines} M={m} failed {list(f)}", cache.get(f))
-                         for f in failure_sets)
-    return plans
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "adaptive"])
 def test_every_plan_of_the_grid_is_issued_in_an_order_nccl_runs(schedule: str) -> None:
     posted = 0
-    for name, plan in _grid(schedule):
+    for name, plan, _ in grid(schedule):
         ranks = dense_ranks(plan)
         posted += check_job(plan, ranks.__getitem__, name)
         posted += check_job(plan, ranks.__getitem__, f"{name}, evaluation", forward_only=True)

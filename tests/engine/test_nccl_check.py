@@ -1,8 +1,6 @@
 """The static NCCL check of plans (engine/nccl_check.py): per-pair message order and NCCL's wait model."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from ds_recycle.engine.nccl_check import (
@@ -18,7 +16,8 @@ from ds_recycle.engine.nccl_check import (
     p2p_program,
     timeline,
 )
-from ds_recycle.plan import CostModel, PlanCache, make_plan
+from ds_recycle.plan import CostModel, make_plan
+from tests.engine.plan_grid import grid
 
 
 def _send(peer: int, i: int, channel: str = "activation") -> Transfer:
@@ -80,21 +79,14 @@ def test_every_plan_of_the_grid_keeps_each_pairs_order(schedule: str) -> None:
     """Every plan the engine would run (the plan cache: shapes 2x2..4x2, M = S and 2S, no, one and two failed
     workers) sends each pair's messages in the order the receiver takes them: FIFO matching delivers the right
     tensor without tags. Failure-free 1F1B and ZB-H1 plans also have no wait cycle under NCCL's blocking p2p as
-    the engine issues them, and every plan has none when its transfers are issued in match order."""
-    checked = 0
-    for stages, pipelines in [(2, 2), (2, 3), (3, 2), (4, 2)]:
-        workers = [(p, s) for p in range(pipelines) for s in range(stages)]
-        failure_sets = [()] + [(w,) for w in workers] + [pair for pair in itertools.combinations(workers, 2)
-                                                        if pair[0][1] != pair[1][1]][:4]
-        for m in (stages, 2 * stages):
-            cache = PlanCache(stages, pipelines, m, CostModel.uniform(stages), schedule=schedule)
-            for failed in failure_sets:
-                program = p2p_program(cache.get(failed))
-                check_order(program)
-                if not failed and schedule != "adaptive":
-                    check_waits(program)
-                ordered = in_match_order(timeline(cache.get(failed)))
-                check_order(ordered)
-                check_waits(ordered)
-                checked += 1
-    assert checked == 4 * 2 * 1 + sum(2 * (1 + s * d + 4) for s, d in [(2, 2), (2, 3), (3, 2), (4, 2)]) - 8
+    lowered (receives before their compute, sends after), and every plan has none issued in match order."""
+    plans = grid(schedule)
+    for _, plan, failed in plans:
+        program = p2p_program(plan)
+        check_order(program)
+        if not failed and schedule != "adaptive":
+            check_waits(program)
+        ordered = in_match_order(timeline(plan))
+        check_order(ordered)
+        check_waits(ordered)
+    assert len(plans) == sum(2 * (1 + s * d + 4) for s, d in [(2, 2), (2, 3), (3, 2), (4, 2)])
