@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ds_recycle.tools.procs import dump_stacks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,15 +42,26 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        if dump_stacks(proc.pid):  # every thread's stack of every worker into the output, to see where it hangs
+            time.sleep(2.0)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout} s: {' '.join(cmd)}\n{out[-4000:]}") from None
+        raise AssertionError(f"job timed out after {timeout} s: {' '.join(cmd)}\n{hang_report(out)}") from None
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # nothing of the job may outlive the test
         except ProcessLookupError:
             pass
     return Job(proc.returncode, out)
+
+
+def hang_report(output: str, tail: int = 5000) -> str:
+    """A timed-out job's output for its failure message: the workers' stack dumps (SIGUSR1, :func:`dump_stacks`),
+    whatever came after them, then the output's tail."""
+    stack = [line for line in output.splitlines()
+             if re.match(r"(\[rank \d+\] )*(Thread 0x|Current thread 0x|  File |Stack \(most recent)", line)]
+    return ("stacks of the workers at the timeout:\n" + "\n".join(stack) + "\n\n" if stack else "") + \
+        "last output:\n" + output[-tail:]
 
 
 def tiny_config(tmp: Path, name: str, stages: int, pipelines: int = 2, **recycle: Any) -> Path:

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ds_recycle.tools.procs import catches, descendants, rss_bytes, scan_proc, start_ticks, worker_pids
+from ds_recycle.tools.procs import descendants, dump_stacks, rss_bytes, scan_proc, start_ticks, worker_pids
 
 logger = logging.getLogger(__name__)
 
@@ -125,17 +125,11 @@ class TrainJob:
         return Kill(time.time(), rank, pid)
 
     def dump_stacks(self) -> list[int]:
-        """SIGUSR1 to every worker that handles it: ``launch/train.py`` then writes every thread's Python stack
-        to its stderr (the job's log) and carries on. For diagnosing a stalled job; the ranks signalled. (A
-        process still starting, without the handler yet, would die of SIGUSR1: it is left alone.)"""
-        pids = {r: pid for r, pid in self.pids().items() if catches(pid, signal.SIGUSR1)}
-        for pid in pids.values():
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        logger.warning("SIGUSR1 (stack dump) to ranks %s of %s", sorted(pids), self.launcher.value)
-        return sorted(pids)
+        """SIGUSR1 to every worker that handles it (:func:`ds_recycle.tools.procs.dump_stacks`: every thread's Python
+        stack in the job's log); the ranks signalled. For diagnosing a stalled job."""
+        ranks = sorted(dump_stacks(self.proc.pid))
+        logger.warning("SIGUSR1 (stack dump) to ranks %s of %s", ranks, self.launcher.value)
+        return ranks
 
     def worker_rss(self) -> dict[int, int]:
         """``rank -> resident bytes`` of the live workers."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ProcInfo", "parse_stat", "stat_name", "parse_environ", "caught_signals", "catches", "rss_bytes", "start_ticks",
-           "descendants", "rank_pids", "scan_proc", "worker_pids"]
+           "descendants", "dump_stacks", "rank_pids", "scan_proc", "worker_pids"]
 
 
 @dataclass(frozen=True)
@@ -161,3 +161,21 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
     if not os.path.isdir("/proc"):
         raise OSError("finding worker processes needs Linux's /proc")
     return rank_pids(scan_proc(), launcher_pid)
+
+
+def dump_stacks(launcher_pid: int) -> dict[int, int]:
+    """SIGUSR1 to every worker of the job started by ``launcher_pid`` that handles it (workers started through
+    ``ds-recycle launch``'s bootstrap, or ``launch/train.py``, write every thread's Python stack to their stderr, the
+    job's log, and carry on); ``rank -> pid`` of those signalled. A process still starting, without the handler yet,
+    would die of SIGUSR1: it is left alone. For diagnosing a stalled job."""
+    import signal
+
+    signalled = {}
+    for rank, pid in worker_pids(launcher_pid).items():
+        if catches(pid, signal.SIGUSR1):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                signalled[rank] = pid
+            except ProcessLookupError:
+                pass
+    return signalled

@@ -35,7 +35,8 @@ import torch
 
 from ds_recycle.events import Event, parse_event
 from ds_recycle.tools.compare import compare_state_dicts
-from ds_recycle.tools.procs import descendants, scan_proc, worker_pids
+from ds_recycle.tools.procs import descendants, dump_stacks, scan_proc, worker_pids
+from tests.harness import hang_report
 
 __all__ = [
     "BYOM",
@@ -231,8 +232,11 @@ class Job:
         try:
             self.proc.wait(timeout=max(1.0, self.started + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
+            if dump_stacks(self.proc.pid):  # every thread's stack of every worker into the log, to see the hang
+                time.sleep(2.0)
             self.close()
-            raise AssertionError(f"job timed out after {timeout} s: {' '.join(self.cmd)}\n{self.log[-6000:]}") \
+            self._reader.join(timeout=10)
+            raise AssertionError(f"job timed out after {timeout} s: {' '.join(self.cmd)}\n{hang_report(self.log)}") \
                 from None
         finally:
             self.close()
