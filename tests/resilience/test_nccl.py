@@ -261,3 +261,36 @@ def test_the_watchdogs_trip_aborts_the_epoch_from_its_thread_only_if_the_trainin
             time.sleep(0.01)
         time.sleep(0.1)
         assert [c[0] for c in calls.log].count("group_start") == 1, calls.log
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_restarted_worker_rejoins_on_the_nccl_path_and_the_members_retire_the_epoch_they_leave(
+        tmp_path: Path, reference: Callable[[int, int, int], Path]) -> None:
+    """The same stand-ins through a rejoin: (1, 0) killed at iteration 2, restarted by the launcher, builds the next
+    epoch's NCCL groups with the members and takes its stage's state over them; the members retire the failed epoch
+    and, once it is in, the one they ran without it. The model is the failure-free one."""
+    from tests.launcher.launch_harness import LaunchedJob
+
+    steps = 100  # enough left after the kill to admit the restarted worker (the members pause while it starts)
+    config = tiny_config(tmp_path, "nccl", 2, 2, failure_timeout_s=60.0, transport="nccl")
+    out, calls = tmp_path / "final.pt", tmp_path / "calls"
+    calls.mkdir()
+    job = LaunchedJob(["--num_accelerators", "4", "--master_port", "0", "--restart_failed_after", "1",
+                       "--max_restarts", "1", str(Path(__file__).parent / "_nccl_emulated_train.py"),
+                       "--deepspeed_config", str(config), "--steps", str(steps), "--save-final", str(out),
+                       "--kill", "1:0@2:forward"], env={"WANDB_MODE": "disabled", "NCCL_CALLS_DIR": str(calls),
+                                                        "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        with job.members_paused(1, 1, [0, 2, 3]):
+            pass
+        job.wait_for(r"joined the running job at iteration \d+", timeout_s=200)
+        assert job.finish(200) == 0, job.text[-4000:]
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert_same_model(out, reference(2, 2, steps))
+    seen = {p.stem: json.loads(p.read_text()) for p in calls.glob("*.json")}
+    for rank in (0, 2, 3):  # the failed epoch, then the one without (1, 0) once it is back
+        assert seen[f"rank{rank}-life0"]["group_aborts"] == 2, seen
+    assert seen["rank1-life1"]["communicators"] >= 3 and seen["rank1-life1"]["group_aborts"] == 0, seen
