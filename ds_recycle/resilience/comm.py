@@ -30,7 +30,7 @@ from ds_recycle.resilience.errors import PeerFailure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Detector", "EpochGroup", "Group", "Work", "bounded_wait"]
+__all__ = ["Addressed", "Detector", "EpochGroup", "Group", "Work", "allreduce_options", "bounded_wait"]
 
 
 _BREAK_TAG = 2**31 - 1
@@ -95,7 +95,36 @@ def bounded_wait(work: Work, detector: Detector, what: str) -> None:
         raise PeerFailure(f"{what}: {cause}") from e
 
 
-class EpochGroup:
+class Addressed:
+    """What every group of an epoch shares: its members (global ranks) and their numbering in the group, and the
+    SUM and MAX all-reduces over the group's own ``_all_reduce``."""
+
+    def __init__(self, name: str, members: Sequence[int], rank: int) -> None:
+        self.members = sorted(members)
+        if rank not in self.members:
+            raise ValueError(f"rank {rank} is not a member of group {name} {self.members}")
+        self.name = name
+        self.index = {r: i for i, r in enumerate(self.members)}
+        self.index_of_self = self.index[rank]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
+        return self._all_reduce(tensor, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> Work:
+        return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any) -> Work:
+        raise NotImplementedError
+
+
+def allreduce_options(op: Any) -> dist.AllreduceOptions:
+    """torch's options for an all-reduce with ``op``."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+class EpochGroup(Addressed):
     """A gloo group over ``members`` (global ranks) for one membership epoch, with global-rank addressing.
 
     Whoever replaces a group keeps a reference to the old one until the job ends: destroying a gloo
@@ -103,12 +132,7 @@ class EpochGroup:
     """
 
     def __init__(self, store: dist.Store, name: str, members: Sequence[int], rank: int, timeout_s: float) -> None:
-        self.members = sorted(members)
-        if rank not in self.members:
-            raise ValueError(f"rank {rank} is not a member of group {name} {self.members}")
-        self.name = name
-        self.index = {r: i for i, r in enumerate(self.members)}
-        self.index_of_self = self.index[rank]
+        super().__init__(name, members, rank)
         self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"ds_recycle/pg/{name}/", store), self.index[rank],
                                              len(self.members), timedelta(seconds=timeout_s))
         """The gloo group (typed Any: torch's stubs for ProcessGroupGloo lack its collectives)."""
@@ -173,18 +197,10 @@ class EpochGroup:
             return staged(self.pg.allgather([host_outs], [host_in]), outputs=list(zip(outputs, host_outs)),
                           inputs=[(tensor, host_in)])
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
-        return self._all_reduce(tensor, dist.ReduceOp.SUM)
-
-    def all_reduce_max(self, tensor: torch.Tensor) -> Work:
-        return self._all_reduce(tensor, dist.ReduceOp.MAX)
-
     def _all_reduce(self, tensor: torch.Tensor, op: Any) -> Work:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
         host = host_copy(tensor)
         with self._posting("all-reduce"):
-            return staged(self.pg.allreduce([host], opts), outputs=[(tensor, host)])
+            return staged(self.pg.allreduce([host], allreduce_options(op)), outputs=[(tensor, host)])
 
     @contextlib.contextmanager
     def _posting(self, what: str) -> Iterator[None]:

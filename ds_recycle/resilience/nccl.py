@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ds_recycle.engine.transport import P2P
-from ds_recycle.resilience.comm import Detector, Work
+from ds_recycle.resilience.comm import Addressed, Detector, Work, allreduce_options
 from ds_recycle.resilience.device_errors import sticky_device_error
 from ds_recycle.resilience.errors import PeerFailure
 from ds_recycle.resilience.transport import EpochComm
@@ -133,20 +133,15 @@ def _waited(work: Pollable, what: str) -> None:
         raise PeerFailure(f"{what}: {e}") from e
 
 
-class NcclGroup:
+class NcclGroup(Addressed):
     """An NCCL communicator over ``members`` (global ranks) for one membership epoch, with global-rank addressing:
     the operations of :class:`~ds_recycle.resilience.comm.EpochGroup`, on the worker's GPU (no staging)."""
 
     def __init__(self, store: dist.Store, name: str, members: Sequence[int], rank: int, timeout_s: float,
                  device: torch.device, connect: Connect | None = None) -> None:
         """``connect``: how the communicator is made (None: :func:`connect_nccl`)."""
-        self.members = sorted(members)
-        if rank not in self.members:
-            raise ValueError(f"rank {rank} is not a member of group {name} {self.members}")
-        self.name = name
+        super().__init__(name, members, rank)
         self.device = device
-        self.index = {r: i for i, r in enumerate(self.members)}
-        self.index_of_self = self.index[rank]
         self.backend, self.pg = (connect or connect_nccl)(dist.PrefixStore(f"ds_recycle/nccl/{name}/", store), self.index[rank],
                                         len(self.members), timeout_s, device)
 
@@ -189,16 +184,8 @@ class NcclGroup:
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Work:
         return self.pg.allgather([outputs], [tensor])
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> Work:
-        return self._all_reduce(tensor, dist.ReduceOp.SUM)
-
-    def all_reduce_max(self, tensor: torch.Tensor) -> Work:
-        return self._all_reduce(tensor, dist.ReduceOp.MAX)
-
     def _all_reduce(self, tensor: torch.Tensor, op: Any) -> Work:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        return self.pg.allreduce([tensor], opts)
+        return self.pg.allreduce([tensor], allreduce_options(op))
 
 
 def _leave_as_lost(why: str) -> None:
