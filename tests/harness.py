@@ -64,6 +64,13 @@ def hang_report(output: str, tail: int = 5000) -> str:
         "last output:\n" + output[-tail:]
 
 
+def failure_report(output: str, tail: int = 5000) -> str:
+    """A failed job's output for its failure message: every traceback line of every worker, then the output's tail."""
+    errors = [line for line in output.splitlines()
+              if re.match(r"(\[rank \d+\] )*(Traceback|  File |\w+(Error|Exception|Failure)\b)", line)]
+    return ("tracebacks:\n" + "\n".join(errors) + "\n\n" if errors else "") + "last output:\n" + output[-tail:]
+
+
 def tiny_config(tmp: Path, name: str, stages: int, pipelines: int = 2, **recycle: Any) -> Path:
     """A small GPT job config (seq 32, width 64, one block a stage, Adam, clipping on) written to ``tmp``.
 

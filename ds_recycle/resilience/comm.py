@@ -116,6 +116,18 @@ class Addressed:
     def _all_reduce(self, tensor: torch.Tensor, op: Any) -> Work:
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def _posting(self, what: str) -> Iterator[None]:
+        """An operation that cannot even be posted is a :class:`PeerFailure` (gloo refuses to post on a pair whose
+        peer died; NCCL on a communicator aborted already), but for a sticky CUDA error: this worker's own GPU failed
+        (host staging, or NCCL on it), not a peer."""
+        try:
+            yield
+        except RuntimeError as e:
+            if sticky_device_error(e):
+                raise
+            raise PeerFailure(f"group {self.name}: {what}: {e}") from e
+
 
 def allreduce_options(op: Any) -> dist.AllreduceOptions:
     """torch's options for an all-reduce with ``op``."""
@@ -202,12 +214,3 @@ class EpochGroup(Addressed):
         with self._posting("all-reduce"):
             return staged(self.pg.allreduce([host], allreduce_options(op)), outputs=[(tensor, host)])
 
-    @contextlib.contextmanager
-    def _posting(self, what: str) -> Iterator[None]:
-        """Gloo refuses to even post an operation on a pair whose peer died: that too is a :class:`PeerFailure`."""
-        try:
-            yield
-        except RuntimeError as e:
-            if sticky_device_error(e):  # this worker's own GPU failed (host staging): not a peer's failure
-                raise
-            raise PeerFailure(f"group {self.name}: {what}: {e}") from e

@@ -158,12 +158,13 @@ class NcclGroup(Addressed):
         """Post sends and receives together, as one NCCL group; every one's work is the group's."""
         if not ops:
             return []
-        self.pg._start_coalescing(self.device)
-        try:
-            for send, tensor, peer in ops:
-                (self.pg.send if send else self.pg.recv)([tensor], self.index[peer], 0)
-        finally:
-            work = self.pg._end_coalescing(self.device)
+        with self._posting(f"{len(ops)} transfers"):
+            self.pg._start_coalescing(self.device)
+            try:
+                for send, tensor, peer in ops:
+                    (self.pg.send if send else self.pg.recv)([tensor], self.index[peer], 0)
+            finally:
+                work = self.pg._end_coalescing(self.device)
         return [work] * len(ops)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
@@ -176,16 +177,20 @@ class NcclGroup(Addressed):
         opts = dist.BroadcastOptions()
         opts.rootRank = self.index[src]
         opts.rootTensor = 0
-        return self.pg.broadcast([tensor], opts)
+        with self._posting(f"broadcast from rank {src}"):
+            return self.pg.broadcast([tensor], opts)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
-        return self.pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
+        with self._posting("all-to-all"):
+            return self.pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions())
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Work:
-        return self.pg.allgather([outputs], [tensor])
+        with self._posting("all-gather"):
+            return self.pg.allgather([outputs], [tensor])
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any) -> Work:
-        return self.pg.allreduce([tensor], allreduce_options(op))
+        with self._posting("all-reduce"):
+            return self.pg.allreduce([tensor], allreduce_options(op))
 
 
 def _leave_as_lost(why: str) -> None:

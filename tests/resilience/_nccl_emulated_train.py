@@ -86,6 +86,8 @@ class CoalescingGloo:
         self.open: list[Any] | None = None
 
     def _start_coalescing(self, device: torch.device) -> None:
+        if self.aborted.is_set():  # NCCL refuses work on an aborted communicator
+            raise RuntimeError("NCCL communicator was aborted")
         self.open = []
 
     def _end_coalescing(self, device: torch.device) -> AllOf:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ds_recycle.config.errors import ConfigError
 from ds_recycle.resilience.errors import PeerFailure
 from ds_recycle.resilience.nccl import NcclEpochComm, NcclGroup, abort_together, nccl_device, polled_wait
-from tests.harness import assert_same_model, run, tiny_config
+from tests.harness import assert_same_model, failure_report, run, tiny_config
 
 GPU = torch.device("cuda", 0)
 
@@ -203,7 +203,7 @@ def test_a_job_on_the_nccl_path_over_stand_in_communicators_survives_a_kill_at_t
                str(Path(__file__).parent / "_nccl_emulated_train.py"), "--deepspeed_config", str(config),
                "--steps", "7", "--save-final", str(out), "--kill", kill], timeout=180,
               env={"NCCL_CALLS_DIR": str(calls)})
-    assert job.returncode == 0, job.output[-5000:]
+    assert job.returncode == 0, failure_report(job.output)
     assert_same_model(out, reference(2, 2, 7))
     seen = {p.stem: json.loads(p.read_text()) for p in calls.glob("*.json")}
     survivors = [seen[f"rank{r}-life0"] for r in range(4) if r != dead]
@@ -294,3 +294,22 @@ def test_a_restarted_worker_rejoins_on_the_nccl_path_and_the_members_retire_the_
     for rank in (0, 2, 3):  # the failed epoch, then the one without (1, 0) once it is back
         assert seen[f"rank{rank}-life0"]["group_aborts"] == 2, seen
     assert seen["rank1-life1"]["communicators"] >= 3 and seen["rank1-life1"]["group_aborts"] == 0, seen
+
+
+def test_an_operation_that_cannot_be_posted_on_an_aborted_communicator_is_a_peer_failure() -> None:
+    """The watchdog's backstop may abort the epoch while the training thread posts: NCCL then refuses the operation,
+    which is the failure being recovered from, not an error of the job (a sticky CUDA error stays one)."""
+    calls = Calls()
+    group = NcclGroup(dist.HashStore(), "e1/p2p", [0, 1], 0, 60.0, GPU, fake_connect(calls))
+
+    def refuse(error: RuntimeError) -> Any:
+        def call(*args: Any) -> None:
+            raise error
+        return call
+    group.pg._start_coalescing = refuse(RuntimeError("NCCL communicator was aborted"))  # type: ignore[attr-defined]
+    with pytest.raises(PeerFailure, match="group e1/p2p: 1 transfers: NCCL communicator was aborted"):
+        group.post_p2p([(True, torch.zeros(1), 1)])
+    group.pg.allreduce = refuse(RuntimeError("CUDA error: unspecified launch failure"))  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="unspecified launch failure") as raised:
+        group.all_reduce_sum(torch.zeros(1))
+    assert not isinstance(raised.value, PeerFailure)
