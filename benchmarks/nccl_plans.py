@@ -21,24 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.plan_sweep import sweep  # noqa: E402
-from ds_recycle.engine.instructions import PostTransfers, Transfer  # noqa: E402
-from ds_recycle.engine.issue import issued_schedule  # noqa: E402
+from ds_recycle.engine.issue import issued_program  # noqa: E402
 from ds_recycle.engine.nccl_check import (  # noqa: E402
     NcclPlanError,
-    batches_as_issued,
+    batches_as_lowered,
     check_order,
     check_waits,
-    dense_ranks,
     timeline,
 )
-from ds_recycle.engine.schedule import PlanLike  # noqa: E402
-
-
-def issued(plan: PlanLike) -> dict[int, list[list[Transfer]]]:
-    """Every rank's batches as the engine posts them (its ``PostTransfers``), for iteration 0 of ``plan``."""
-    ranks = dense_ranks(plan)
-    return {rank: [list(cmd.kwargs["transfers"]) for step in issued_schedule(plan, w, ranks.__getitem__, 0).steps()
-                   for cmd in step if isinstance(cmd, PostTransfers)] for w, rank in ranks.items()}
 
 
 def main() -> int:
@@ -50,8 +40,8 @@ def main() -> int:
     began = time.perf_counter()
     for swept in sweep(("1f1b", "zb-h1", "adaptive")):
         items_of = timeline(swept.plan)
-        program = {rank: batches_as_issued(items) for rank, items in items_of.items()}
-        ordered = issued(swept.plan)
+        program = {rank: batches_as_lowered(items) for rank, items in items_of.items()}
+        ordered = issued_program(swept.plan)
         case = "failure-free" if not swept.failed else "with failures"
         for name, check, prog in (("order", check_order, program), ("waits", check_waits, program),
                                   ("ordered order", check_order, ordered), ("ordered waits", check_waits, ordered)):

@@ -21,10 +21,18 @@ from typing import Any
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
 from ds_recycle.engine.instructions import PostTransfers, Transfer
-from ds_recycle.engine.nccl_check import Compute, classify, issue_points, timeline
+from ds_recycle.engine.nccl_check import (
+    Compute,
+    check_order,
+    check_waits,
+    classify,
+    dense_ranks,
+    issue_points,
+    timeline,
+)
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, Worker
 
-__all__ = ["IssuedSchedule", "issued_schedule", "place_posts"]
+__all__ = ["IssuedSchedule", "check_plan", "issued_program", "issued_schedule", "place_posts"]
 
 _Points = dict[int, list[tuple[int, list[Transfer]]]]
 _CACHE: dict[tuple[Any, ...], tuple[PlanLike, Repair | None, _Points]] = {}
@@ -105,3 +113,27 @@ def issued_schedule(plan: PlanLike, worker: Worker, rank_of: Callable[[Worker], 
     me = rank_of(worker)
     points = _program(plan, rank_of, iteration, repair, forward_only)[me]
     return IssuedSchedule(schedule, place_posts(list(schedule.steps()), me, points))
+
+
+def issued_program(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], int] | None = None,
+                   repair: Repair | None = None, forward_only: bool = False) -> dict[int, list[list[Transfer]]]:
+    """Every live worker's batches of ``iteration`` as the engine posts them (its :class:`PostTransfers`), by rank
+    (``rank_of``: the engine's numbering; None: stage-major without holes)."""
+    number = rank_of if rank_of is not None else dense_ranks(plan).__getitem__
+    return {number(w): [list(cmd.kwargs["transfers"])
+                        for step in issued_schedule(plan, w, number, iteration, repair=repair,
+                                                    forward_only=forward_only).steps()
+                        for cmd in step if isinstance(cmd, PostTransfers)] for w in plan.workers}
+
+
+def check_plan(plan: PlanLike, rank_of: Callable[[Worker], int] | None = None) -> int:
+    """Check every iteration of ``plan`` as the engine issues it: each pair's order and no wait cycle under NCCL's
+    matching (:mod:`ds_recycle.engine.nccl_check`); raises :class:`~ds_recycle.engine.nccl_check.NcclPlanError`,
+    else returns the number of transfers checked."""
+    total = 0
+    for iteration in range(plan.iterations):
+        program = issued_program(plan, iteration, rank_of)
+        check_order(program)
+        check_waits(program)
+        total += sum(len(batch) for batches in program.values() for batch in batches)
+    return total

@@ -16,13 +16,13 @@ into such *batches*, and asks two questions:
    its counterpart posted by the peer (the peer's current batch or an earlier one), and compute completes at once:
    does every worker reach its end? If not, the workers stuck and what each waits for are named.
 
-Issued as the engine issues them today, many plans with failed workers do have such cycles (``benchmarks/
-nccl_plans.py``). :func:`in_match_order` gives an order that has none for any plan that runs with buffered sends:
-every rank issues its transfers in the order they match in such a run (:func:`match_order`), so all the ranks'
-streams follow one global order.
+Batched as lowered, many plans with failed workers do have such cycles (``benchmarks/nccl_plans.py``).
+:func:`in_match_order` gives an order that has none for any plan that runs with buffered sends: every rank issues its
+transfers in the order they match in such a run (:func:`match_order`), so all the ranks' streams follow one global
+order. The engine issues them so (:mod:`ds_recycle.engine.issue`, whose ``check_plan`` checks what it posts).
 
-:func:`check_plan` raises :class:`NcclPlanError` on the first violation; :func:`p2p_program` gives the batches as
-issued, :func:`timeline` the transfers and computes they are cut from.
+:func:`check_order` and :func:`check_waits` raise :class:`NcclPlanError` on the first violation; :func:`p2p_program`
+gives the batches as lowered, :func:`timeline` the transfers and computes they are cut from.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ from ds_recycle.engine.instructions import (
 )
 from ds_recycle.engine.schedule import PlanLike, PlanSchedule, Repair, Worker
 
-__all__ = ["Compute", "Item", "Transfer", "NcclPlanError", "batches_as_issued", "classify", "dense_ranks", "p2p_program",
-           "timeline", "match_order", "in_match_order", "issue_points", "check_order", "check_waits", "check_plan"]
+__all__ = ["Compute", "Item", "Transfer", "NcclPlanError", "batches_as_lowered", "classify", "dense_ranks", "p2p_program",
+           "timeline", "match_order", "in_match_order", "issue_points", "check_order", "check_waits"]
 
 _P2P = {SendActivationTo: ("send", "activation"), SendGradTo: ("send", "grad"),
         RecvActivationFrom: ("recv", "activation"), RecvGradFrom: ("recv", "grad")}
@@ -117,8 +117,9 @@ def timeline(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], int
     return out
 
 
-def batches_as_issued(items: list[Item]) -> list[list[Transfer]]:
-    """A worker's transfers cut into batches at its computes (what travels together as the engine issues it)."""
+def batches_as_lowered(items: list[Item]) -> list[list[Transfer]]:
+    """A worker's transfers cut into batches at its computes (what could travel together as the lowering places
+    them: receives before their compute, sends after)."""
     batches: list[list[Transfer]] = []
     current: list[Transfer] = []
     for item in items:
@@ -135,9 +136,9 @@ def batches_as_issued(items: list[Item]) -> list[list[Transfer]]:
 
 def p2p_program(plan: PlanLike, iteration: int = 0, rank_of: Callable[[Worker], int] | None = None,
                 repair: Repair | None = None) -> dict[int, list[list[Transfer]]]:
-    """Every live worker's point-to-point operations of ``iteration``, by rank, in batches as the engine issues
+    """Every live worker's point-to-point operations of ``iteration``, by rank, in batches as the lowering places
     them (see the module docstring and :func:`timeline`)."""
-    return {rank: batches_as_issued(items) for rank, items in timeline(plan, iteration, rank_of, repair).items()}
+    return {rank: batches_as_lowered(items) for rank, items in timeline(plan, iteration, rank_of, repair).items()}
 
 
 _COST = {"ForwardMicroBatch": 1, "BackwardInput": 1, "BackwardWeight": 1}
@@ -325,13 +326,3 @@ def check_waits(program: Mapping[int, list[list[Transfer]]]) -> None:
         raise NcclPlanError("the plan deadlocks under NCCL's matching (each batch completes once all its transfers "
                             "are matched): " + "; ".join(lines))
 
-
-def check_plan(plan: PlanLike, rank_of: Callable[[Worker], int] | None = None) -> int:
-    """Check every iteration of ``plan`` (see the module docstring); returns the number of transfers checked."""
-    total = 0
-    for iteration in range(plan.iterations):
-        program = p2p_program(plan, iteration, rank_of)
-        check_order(program)
-        check_waits(program)
-        total += sum(len(batch) for batches in program.values() for batch in batches)
-    return total

@@ -32,7 +32,7 @@ from ds_recycle.engine.nccl_check import (
     Compute,
     Item,
     Transfer,
-    batches_as_issued,
+    batches_as_lowered,
     dense_ranks,
     timeline,
 )
@@ -235,7 +235,7 @@ def engine_program(plan: PlanLike, iteration: int = 0, repair: Repair | None = N
             out[rank] = steps
         return out
     lines = timeline(plan, iteration, repair=repair)
-    batches = {rank: batches_as_issued(items) for rank, items in lines.items()}
+    batches = {rank: batches_as_lowered(items) for rank, items in lines.items()}
     if not reductions:
         return {rank: list(b) for rank, b in batches.items()}
     return {rank: _with_reductions(lines[rank], batches[rank], Collective(f"stage {stage_of[rank]} all-reduce",

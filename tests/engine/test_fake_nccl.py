@@ -51,9 +51,10 @@ GRID = [(name, plan) for name, plan, _ in grid(pairs=3)]
 """Plans of the planner's grid the engine would run (the default schedule, up to three pairs of failed workers)."""
 
 
-def test_the_fake_and_the_static_check_agree_on_every_plan_as_issued_today() -> None:
-    """Transfers only, batches as the engine issues them today: the fake stalls exactly where the static check
-    finds a wait cycle, and neither run nor check is wrong about the order of any pair."""
+def test_the_fake_and_the_static_check_agree_on_every_plan_batched_as_lowered() -> None:
+    """Transfers only, batches as the lowering places them (receives before their compute, sends after): the fake
+    stalls exactly where the static check finds a wait cycle, and neither run nor check is wrong about the order of
+    any pair."""
     agreed = stalled = 0
     for name, plan in GRID:
         try:

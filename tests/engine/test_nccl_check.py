@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
+from ds_recycle.engine.issue import check_plan
 from ds_recycle.engine.nccl_check import (
     Compute,
     NcclPlanError,
     Transfer,
     check_order,
-    check_plan,
     check_waits,
     in_match_order,
     issue_points,
