@@ -105,7 +105,7 @@ def _run_job(work: Path, config: Path, workers: int, steps: int, name: str, env:
              kill_at: int | None = None) -> dict[str, Any]:
     """One job under ``ds-recycle launch``, bounded by :data:`JOB_TIMEOUT_S`; with ``kill_at``, rank 1 SIGKILLed from
     outside at that iteration and restarted by the launcher. Its final model file, wall time, device, final loss,
-    live workers at the end and events."""
+    live workers at the end, events, and how many workers shrank a failed epoch's NCCL communicators."""
     from ds_recycle.tools.jobs import Launcher, MetricsTail, TrainJob
 
     out, metrics, log = work / f"{name}.pt", work / f"{name}.jsonl", work / f"{name}.log"
@@ -133,7 +133,8 @@ def _run_job(work: Path, config: Path, workers: int, steps: int, name: str, env:
     device = next((line.split(" on ", 1)[1] for line in text.splitlines() if f"rank 0 of {workers} on " in line), "?")
     return {"state": out, "wall_s": time.perf_counter() - began, "device": device,
             "final_loss": records[-1]["loss"], "live_after": records[-1].get("live_workers"),
-            "events": sorted({e.get("kind", "?") for r in records for e in r.get("events", [])})}
+            "events": sorted({e.get("kind", "?") for r in records for e in r.get("events", [])}),
+            "shrinks": sum("NCCL communicators shrunk in" in line for line in text.splitlines())}
 
 
 def _diff(a: Path, b: Path) -> dict[str, Any]:
@@ -198,8 +199,10 @@ def _nccl_job_rows(result: dict[str, Any], dry: bool) -> list[Row]:
     same = "bit-identical" if d["identical"] else f"max rel {d['max_rel']:.1e}"
     return [Row("d", f"NCCL, default GPT {result['shape']}, {result['steps']} it, one GPU per worker ({free['device']} "
                      f"...), rank 1 SIGKILLed from outside at iteration {_kill_at(result['steps'])}, restarted",
-                f"events {', '.join(killed['events']) or 'none'}; {killed['live_after']} live at the end; against the "
-                f"failure-free NCCL run: {same} ({d['tensors']} tensors); {free['wall_s']:.0f} s free, "
+                f"events {', '.join(killed['events']) or 'none'}; {killed['live_after']} live at the end; "
+                f"{killed['shrinks']} survivor(s) shrank the failed epoch's communicators (recycle.nccl_shrink; none: "
+                f"built afresh); against the failure-free NCCL run: {same} ({d['tensors']} tensors); "
+                f"{free['wall_s']:.0f} s free, "
                 f"{killed['wall_s']:.0f} s killed", "ok" if ok else "FAILED: not the failure-free model, or no failure")]
 
 

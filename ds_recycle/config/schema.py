@@ -201,11 +201,16 @@ class RecycleConfig:
     optimizer_step: Literal["staggered", "synchronous"] = "staggered"
     """Each stage steps when its own work is done, or all stages step together."""
     transport: Literal["auto", "gloo", "nccl"] = "auto"
-    """How boundary tensors and reductions travel between workers under failure handling. ``"auto"`` and
-    ``"gloo"``: gloo, on GPUs too, CUDA tensors staged through host memory (workers may share a GPU). ``"nccl"``:
-    NCCL communicators per membership epoch, aborted together and rebuilt among the survivors on a failure
+    """How boundary tensors and reductions travel between workers under failure handling. ``"nccl"``: NCCL
+    communicators per membership epoch, aborted together and rebuilt among the survivors on a failure
     (``ds_recycle/resilience/nccl.py``); it needs a GPU of its own for every worker, and is refused at start
-    otherwise. It has not run on GPUs yet (README, "What has run on a GPU")."""
+    otherwise. ``"gloo"``: gloo, on GPUs too, CUDA tensors staged through host memory (workers may share a GPU).
+    ``"auto"``: NCCL where every worker has a GPU of its own and torch has NCCL, gloo elsewhere (CPU jobs, workers
+    sharing a GPU). NCCL has not run on GPUs yet (README, "What has run on a GPU")."""
+    nccl_shrink: bool = True
+    """On NCCL, after a failure that only removes workers, cut the lost ranks out of the failed epoch's
+    communicators (``ncclCommShrink``, NCCL 2.27 or later) instead of building the next epoch's afresh; where the
+    NCCL build cannot shrink, or any survivor's shrink fails, they are built afresh. False: always afresh."""
     boundary_log: Literal["device", "pinned_host"] = "device"
     """Where the failure handler keeps the tensors each worker sent and received until no repair can ask for them
     (about one iteration of boundary tensors, ``engine/boundary_log.py``). ``"device"``: references to the tensors

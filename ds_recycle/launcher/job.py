@@ -29,6 +29,10 @@ NCCL_ENV: Mapping[str, str] = {
     "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
     # NVLink SHARP buffers are not released by an abort (nvidia-resiliency-ext's known issues)
     "NCCL_NVLS_ENABLE": "0",
+    # the p2p, norm and stage communicators of an epoch share the GPU: NCCL 2.26+ then runs their operations in the
+    # order the host launched them, which is one order on every rank (the engine issues them from one thread in the
+    # plan's order, ds_recycle/engine/issue.py); older NCCL ignores it (NCCL's env.rst, usage/communicators.rst)
+    "NCCL_LAUNCH_ORDER_IMPLICIT": "1",
 }
 """The NCCL settings every worker of ``ds-recycle launch`` gets unless the launcher's own environment sets them
 (the user's value wins; see docs/launcher.md). A CPU job never reads them."""

@@ -69,7 +69,7 @@ from ds_recycle.resilience.fallback import (
 from ds_recycle.resilience.faults import Phase
 from ds_recycle.resilience.heartbeat import Heartbeat
 from ds_recycle.resilience.injection import Faults, faults_of, slowdowns_of
-from ds_recycle.resilience.nccl import nccl_device
+from ds_recycle.resilience.nccl import epoch_device
 from ds_recycle.resilience.phases import (
     Agreement,
     Epoch,
@@ -79,9 +79,11 @@ from ds_recycle.resilience.phases import (
     detect,
     end_barrier,
     end_start_up,
+    hold_failed,
     install,
     regroup,
     rerouted,
+    shrink_failed,
 )
 from ds_recycle.resilience.rejoin import (
     JoinTicket,
@@ -167,8 +169,7 @@ class FailureHandler:
         watchdog = Watchdog(lambda: connect_store(timeout_s=rc.failure_timeout_s), rank, rc.heartbeat_stale_s,
                             keys=keys, caller_store=store).start()
         self.job = Job(store, keys, rank, generation, rc.failure_timeout_s, watchdog, engine.workers, engine.stage_id,
-                       tuple(engine.tied), nccl_device(engine.device, workers_per_gpu())
-                       if rc.transport == "nccl" else None)
+                       tuple(engine.tied), epoch_device(rc.transport, engine.device, workers_per_gpu()))
         costs = CostModel.from_file(rc.costs_file) if rc.costs_file else CostModel.uniform(rc.stages)
         self.plans = PlanCache(rc.stages, rc.pipelines, cfg.micro_batches, costs, schedule=rc.schedule,
                                optimizer=rc.optimizer_step, memory_limit=rc.memory_limit)
@@ -329,8 +330,8 @@ class FailureHandler:
         job, eng = self.job, self.engine
         self.state = HandlerState.DETECTED
         detection = detect(failure, job.watchdog, self.round, self.members)
-        if hasattr(self, "epoch"):  # NCCL: every survivor aborts the failed epoch's communicators first
-            self.epoch.comm.retire()
+        if hasattr(self, "epoch"):  # NCCL: every survivor aborts the failed epoch's communicators first (or keeps
+            hold_failed(self.epoch, self.cfg.recycle.nccl_shrink)  # them to shrink once it knows who is lost)
         self._join_checked = None  # every member checks for joiners again at the boundary it repairs
         self.round += 1
         eng.settle_step()  # a step already taken is complete here, with nothing left to wait for
@@ -340,12 +341,13 @@ class FailureHandler:
         except MembershipError as e:  # fenced out by the others: leave, a restart can join again
             logger.error("%s; leaving as lost (exit %d)", e, ckpt.LOST_EXIT_CODE)
             self._exit(ckpt.LOST_EXIT_CODE)
+        shrunk = shrink_failed(self.epoch, agreement.lost) if hasattr(self, "epoch") else None
         self._event(FailureEvent(lost_ranks=agreement.lost, lost_workers=tuple(
             job.workers.worker_of_rank(q) for q in agreement.lost), reason=detection.reason, epoch=agreement.epoch))
         self.members = agreement.members
         self._settle_move(agreement.positions)
         self.state = HandlerState.REGROUPING
-        epoch = regroup(job, agreement.epoch, agreement.members, "", self.rider)
+        epoch = regroup(job, agreement.epoch, agreement.members, "", self.rider, shrunk=shrunk)
         regrouped = time.time()
         self.state = HandlerState.DECIDING
         try:
@@ -638,6 +640,7 @@ class FailureHandler:
         now cannot fail the others, which leave as they would have."""
         self.finish()
         self.state = HandlerState.CLOSED
+        self.epoch.comm.retire()  # NCCL: its communicators aborted, which needs no peer (a destroy would)
         if self.round == 0 and self.joined_at is None:
             self.heartbeat.stop()
             self.job.watchdog.stop()

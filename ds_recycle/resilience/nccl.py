@@ -22,12 +22,26 @@ The same shape as the gloo groups (:mod:`ds_recycle.resilience.comm`), with what
   thread with a deadline. Nothing is destroyed or finalized: those are collective and would wait for the dead
   member. An abort that does not return makes the worker leave as lost (the launcher restarts it; it rejoins).
   Every survivor retires the failed epoch before it builds the next (NCCL requires every rank of a communicator
-  with a failed member to abort it), and after a rejoin's regroup the old epoch too.
+  with a failed member to abort it), and after a rejoin's regroup the old epoch too; a job that ends retires its
+  last epoch the same way (an abort needs no peer; a destroy would be collective).
+- **Shrinking instead of building** (``recycle.nccl_shrink``, where the NCCL build has ``ncclCommShrink``, 2.27+).
+  After a failure that only removes members, the next epoch's communicators are the failed epoch's with the lost
+  ranks cut out, not new ones: the survivors keep the failed epoch (:meth:`NcclEpochComm.hold`) until they agree
+  who is lost, then each shrinks every communicator that lost a member (``SHRINK_ABORT``: its pending operations are
+  aborted first, only the survivors call it) in one order on every rank (p2p, norm, stage, tied by name), and
+  aborts the parents together (:meth:`NcclEpochComm.shrink`). The survivors then tell each other through the store
+  whether every shrink worked; only if all did is the next epoch built from the shrunk communicators, otherwise
+  they are aborted and every group is built afresh (:func:`ds_recycle.resilience.phases.regroup`). Communicators
+  that lost no member are built afresh either way. While the failed epoch is kept, the watchdog's backstop waits
+  :data:`SHRINK_WINDOW_S` rather than :data:`BACKSTOP_S`, so a training thread stuck in CUDA behind a dead peer is
+  still released.
 
 Sources: NCCL's user guide (``usage/communicators.rst``: abort needs nonblocking communicators, every surviving rank
 aborts; ``api/comms.rst``), pytorch#119797 and NCCL#1013 (aborting communicators one by one can deadlock), NCCL#279
 (no error for a peer that dies inside a node), torch 2.13's ``_abort_process_group`` (the group abort) and torchft's
-``ProcessGroupNCCL`` (an unregistered, nonblocking, eagerly connected communicator per configuration).
+``ProcessGroupNCCL`` (an unregistered, nonblocking, eagerly connected communicator per configuration); for the
+shrink, NCCL's ``api/comms.rst`` (``ncclCommShrink``: called by the survivors only; ``NCCL_SHRINK_ABORT``) and torch
+2.13's ``Backend.shrink`` (not ``dist.shrink_group``, which destroys the parent, a collective with the dead rank).
 """
 from __future__ import annotations
 
@@ -36,7 +50,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -50,7 +64,8 @@ from ds_recycle.resilience.device_errors import sticky_device_error
 from ds_recycle.resilience.errors import PeerFailure
 from ds_recycle.resilience.transport import EpochComm
 
-__all__ = ["ABORT_DEADLINE_S", "NcclEpochComm", "NcclGroup", "abort_together", "nccl_device", "polled_wait"]
+__all__ = ["ABORT_DEADLINE_S", "NcclEpochComm", "NcclGroup", "ShrunkGroups", "abort_together", "epoch_device",
+           "nccl_device", "polled_wait"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +75,10 @@ RUN_AHEAD = 8
 """Stream waits the host may run ahead of the stream before it polls where the stream is."""
 BACKSTOP_S = 2.0
 """After the watchdog's trip, how long the main thread has to abort the epoch before the watchdog's thread does."""
+SHRINK_WINDOW_S = 10.0
+"""How long a failed epoch is kept for the survivors to agree and shrink it before the backstop aborts it."""
+SHRINK_ABORT = 1
+"""``ncclCommShrink``'s flag that aborts the parent's pending operations first (torch's ``dist.SHRINK_ABORT``)."""
 
 Connect = Callable[[dist.Store, int, int, float, torch.device], tuple[Any, Any]]
 """``(store, index, size, timeout_s, device) -> (backend, process group)``: how a communicator is made."""
@@ -70,7 +89,8 @@ def nccl_device(device: torch.device, sharing: int) -> torch.device:
     raises :class:`~ds_recycle.config.errors.ConfigError` where it cannot run (NCCL needs one GPU per rank)."""
     from ds_recycle.config.errors import ConfigError
 
-    fix = 'use "auto" (gloo, CUDA tensors staged through host memory), or give every worker a GPU of its own'
+    fix = ('use "auto" (gloo where NCCL cannot run, CUDA tensors staged through host memory), or give every worker a '
+           "GPU of its own")
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ConfigError("recycle.transport", f'"nccl" on a worker whose device is {device}', fix)
     if not dist.is_nccl_available():
@@ -79,6 +99,20 @@ def nccl_device(device: torch.device, sharing: int) -> torch.device:
         raise ConfigError("recycle.transport", f'"nccl" with {sharing} workers on each GPU of this node (NCCL needs '
                           "one GPU per rank)", fix)
     return device
+
+
+def epoch_device(transport: str, device: torch.device, sharing: int) -> torch.device | None:
+    """The GPU whose NCCL communicators the epochs use for ``recycle.transport`` on a worker on ``device`` whose node
+    puts ``sharing`` workers on each GPU; None: gloo groups (on GPUs, tensors staged through host memory).
+
+    ``"auto"`` takes NCCL where it can run (a GPU of its own for every worker, a torch with NCCL), gloo elsewhere;
+    ``"nccl"`` is refused where it cannot run (:func:`nccl_device`); ``"gloo"`` is gloo everywhere."""
+    if transport == "nccl":
+        return nccl_device(device, sharing)
+    if (transport == "auto" and device.type == "cuda" and sharing == 1 and torch.cuda.is_available()
+            and dist.is_nccl_available()):
+        return device
+    return None
 
 
 def connect_nccl(store: dist.Store, index: int, size: int, timeout_s: float, device: torch.device) -> tuple[Any, Any]:
@@ -90,11 +124,24 @@ def connect_nccl(store: dist.Store, index: int, size: int, timeout_s: float, dev
     opts.config.blocking = 0
     opts._timeout = timedelta(seconds=timeout_s)
     backend = dist.ProcessGroupNCCL(store, index, size, opts)
-    pg = dist.ProcessGroup(store, index, size)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
-    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+    pg = _wrapped(backend, store)
     backend.eager_connect_single_device(device)
     return backend, pg
+
+
+def shrink_nccl(backend: Any, store: dist.Store, excluded: Sequence[int]) -> tuple[Any, Any]:
+    """``backend``'s communicator without its members ``excluded`` (their indices in it; every other member calls
+    this with the same list), its pending operations aborted first: ``(backend, process group)`` of the child."""
+    child = backend.shrink(list(excluded), SHRINK_ABORT, None)
+    return child, _wrapped(child, dist.PrefixStore("shrunk/", store))
+
+
+def _wrapped(backend: Any, store: dist.Store) -> Any:
+    """An unregistered ``ProcessGroup`` whose CUDA backend is the NCCL ``backend`` (for coalesced sends and receives)."""
+    pg = dist.ProcessGroup(store, backend.rank(), backend.size())
+    pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+    return pg
 
 
 class Pollable(Protocol):
@@ -142,8 +189,9 @@ class NcclGroup(Addressed):
         """``connect``: how the communicator is made (None: :func:`connect_nccl`)."""
         super().__init__(name, members, rank)
         self.device = device
-        self.backend, self.pg = (connect or connect_nccl)(dist.PrefixStore(f"ds_recycle/nccl/{name}/", store), self.index[rank],
-                                        len(self.members), timeout_s, device)
+        self.store = dist.PrefixStore(f"ds_recycle/nccl/{name}/", store)
+        self.backend, self.pg = (connect or connect_nccl)(self.store, self.index[rank], len(self.members), timeout_s,
+                                                          device)
 
     on_break: Callable[[], None] | None = None
     """What the watchdog's trip does (set by the epoch: its backstop, :meth:`NcclEpochComm.backstop`)."""
@@ -245,21 +293,38 @@ class NcclEpochComm(EpochComm):
     def build_nccl(cls, store: dist.Store, epoch: int, members: list[int], stage_members: list[int], rank: int,
                    timeout_s: float, detector: Detector, device: torch.device, tag: str = "",
                    tied_members: Mapping[str, list[int]] | None = None,
-                   connect: Connect | None = None) -> NcclEpochComm:
+                   connect: Connect | None = None, shrunk: ShrunkGroups | None = None) -> NcclEpochComm:
         """Build the epoch's communicators collectively, as :meth:`EpochComm.build` builds gloo groups (the same
-        arguments, and the GPU they live on)."""
+        arguments, and the GPU they live on); ``shrunk``: communicators shrunk from the failed epoch that every
+        member agreed to take (:meth:`shrink`), used where one has a group's role and members."""
         prefix = f"e{epoch}{tag}"
         stage_name = f"{prefix}/stage-" + "-".join(str(r) for r in sorted(stage_members))
+        taken: list[str] = []
 
-        def group(name: str, ranks: Sequence[int]) -> NcclGroup:
-            return NcclGroup(store, name, ranks, rank, timeout_s, device, connect)
-        p2p = group(f"{prefix}/p2p", members)
-        norm = group(f"{prefix}/norm", members)
-        stage = group(stage_name, stage_members)
-        tied = {name: group(f"{prefix}/{name}", holders) for name, holders in (tied_members or {}).items()}
-        return cls(epoch, sorted(members), p2p, norm, stage, detector, timeout_s, tied, device)
+        def group(role: str, name: str, ranks: Sequence[int]) -> NcclGroup:
+            pair = shrunk.take(role, ranks) if shrunk is not None else None
+            if pair is None:
+                return NcclGroup(store, name, ranks, rank, timeout_s, device, connect)
+            taken.append(role)
+            return NcclGroup(store, name, ranks, rank, timeout_s, device, lambda *_: pair)
+        p2p = group("p2p", f"{prefix}/p2p", members)
+        norm = group("norm", f"{prefix}/norm", members)
+        stage = group("stage", stage_name, stage_members)
+        tied = {name: group(name, f"{prefix}/{name}", holders) for name, holders in sorted((tied_members or {}).items())}
+        if shrunk is not None:
+            shrunk.discard()  # any it holds that no group took
+        comm = cls(epoch, sorted(members), p2p, norm, stage, detector, timeout_s, tied, device)
+        comm.shrunk_roles = tuple(taken)
+        return comm
+
+    def roles(self) -> list[tuple[str, NcclGroup]]:
+        """The communicators by role, in the one order every rank shrinks them in (p2p, norm, stage, tied by name)."""
+        tied = sorted(self.tied.items())
+        return [("p2p", self.p2p), ("norm", self.norm), ("stage", self.stage), *tied]  # type: ignore[list-item]
 
     def __post_init__(self) -> None:
+        self.shrunk_roles: tuple[str, ...] = ()
+        """The roles whose communicators this epoch took shrunk from the failed one (the rest were built)."""
         self._retire_lock = threading.Lock()
         self._stream_waits = 0
         self._backstop: threading.Timer | None = None
@@ -285,7 +350,7 @@ class NcclEpochComm(EpochComm):
         :data:`BACKSTOP_S` (it normally does, at its next wait)."""
         with self._retire_lock:
             if self.retired_in_s is not None or self._backstop is not None:
-                return
+                return  # retired, or kept for a shrink (its own, longer, backstop)
             self._backstop = threading.Timer(BACKSTOP_S, self.retire)
             self._backstop.daemon = True
             self._backstop.start()
@@ -295,12 +360,95 @@ class NcclEpochComm(EpochComm):
         with self._retire_lock:
             if self.retired_in_s is not None:
                 return
-            if self._backstop is not None:
-                self._backstop.cancel()
+            self._cancel_backstop()
             self.retired_in_s = abort_together([g.backend for g in self.groups],  # type: ignore[attr-defined]
                                                self.abort_deadline_s)
         logger.info("epoch %d: %d NCCL communicators aborted in %.3f s", self.epoch, len(self.groups),
                     self.retired_in_s)
+
+    def _cancel_backstop(self) -> None:
+        if self._backstop is not None:
+            self._backstop.cancel()
+
+    @property
+    def shrinkable(self) -> bool:
+        """Every communicator of the epoch can be shrunk (torch's ``supports_shrinking``: NCCL 2.27 or later)."""
+        return all(getattr(g.backend, "supports_shrinking", False) is True  # type: ignore[attr-defined]
+                   for g in self.groups)
+
+    def hold(self) -> bool:
+        """The epoch failed: keep it for :meth:`shrink` where it can be shrunk, else retire it now. Returns whether
+        it is kept; a kept epoch is still aborted by the backstop :data:`SHRINK_WINDOW_S` from now."""
+        if not self.shrinkable:
+            self.retire()
+            return False
+        with self._retire_lock:
+            if self.retired_in_s is not None:
+                return False
+            self._cancel_backstop()
+            self._backstop = threading.Timer(SHRINK_WINDOW_S, self.retire)
+            self._backstop.daemon = True
+            self._backstop.start()
+        return True
+
+    def shrink(self, lost: Collection[int]) -> ShrunkGroups | None:
+        """The members agreed that ``lost`` are gone: shrink every communicator that lost a member and keeps two
+        (see the module docstring), then abort every communicator of the epoch together. Returns the children, or
+        None where the epoch was retired already or a shrink failed (then the children made are aborted too)."""
+        with self._retire_lock:
+            if self.retired_in_s is not None:
+                return None
+            self._cancel_backstop()
+            started = time.monotonic()
+            cuts = [(role, g, [g.index[r] for r in g.members if r in lost]) for role, g in self.roles()]
+            cuts = [(role, g, out) for role, g, out in cuts if out and len(g.members) - len(out) >= 2]
+            children: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = {}
+            failure: list[BaseException] = []
+
+            def shrink_all() -> None:
+                try:
+                    for role, g, out in cuts:
+                        kept = tuple(r for r in g.members if r not in lost)
+                        children[(role, kept)] = shrink_nccl(g.backend, g.store, out)
+                except BaseException as e:  # noqa: BLE001 - reported by the caller's thread
+                    failure.append(e)
+            thread = threading.Thread(target=shrink_all, name="ds-recycle-nccl-shrink", daemon=True)
+            thread.start()
+            thread.join(self.timeout_s + self.abort_deadline_s)
+            if thread.is_alive():
+                _leave_as_lost(f"shrinking {len(cuts)} NCCL communicators did not return within "
+                               f"{self.timeout_s + self.abort_deadline_s:.0f} s")
+            shrunk = ShrunkGroups(children, self.abort_deadline_s)
+            if failure:
+                logger.warning("epoch %d: shrinking its NCCL communicators failed (%r); the next epoch's are built",
+                               self.epoch, failure[0])
+                shrunk.discard()
+            shrink_s = time.monotonic() - started
+            self.retired_in_s = abort_together([g.backend for g in self.groups],  # type: ignore[attr-defined]
+                                               self.abort_deadline_s)
+        logger.info("epoch %d: %d NCCL communicators shrunk in %.3f s, %d aborted in %.3f s", self.epoch,
+                    len(children) if not failure else 0, shrink_s, len(self.groups), self.retired_in_s)
+        return None if failure else shrunk
+
+
+@dataclass
+class ShrunkGroups:
+    """Communicators shrunk from a failed epoch's (:meth:`NcclEpochComm.shrink`), by role and members, until the
+    next epoch takes them (:meth:`NcclEpochComm.build_nccl`) or they are aborted (:meth:`discard`)."""
+
+    pairs: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]]
+    """``(role, members) -> (backend, process group)``."""
+    abort_deadline_s: float = ABORT_DEADLINE_S
+
+    def take(self, role: str, members: Sequence[int]) -> tuple[Any, Any] | None:
+        """The communicator shrunk for ``role`` over exactly ``members`` (None: none), no longer held here."""
+        return self.pairs.pop((role, tuple(sorted(members))), None)
+
+    def discard(self) -> None:
+        """Abort every communicator still held (together, as an epoch's)."""
+        pairs, self.pairs = self.pairs, {}
+        if pairs:
+            abort_together([backend for backend, _ in pairs.values()], self.abort_deadline_s)
 
 
 class _EventWork:

@@ -33,7 +33,7 @@ from ds_recycle.resilience.comm import Detector
 from ds_recycle.resilience.errors import PeerFailure
 from ds_recycle.resilience.injection import kill_time
 from ds_recycle.resilience.membership import agree_members
-from ds_recycle.resilience.nccl import NcclEpochComm
+from ds_recycle.resilience.nccl import NcclEpochComm, ShrunkGroups
 from ds_recycle.resilience.regroup import EpochGrid
 from ds_recycle.resilience.store import StoreKeys, connect_store
 from ds_recycle.resilience.transport import EpochComm, EpochTransport, LossRider
@@ -171,13 +171,64 @@ def agree(job: Job, detection: Detection, position: Position) -> Agreement:
     return Agreement(epoch, tuple(members), lost, positions, min(kills) if kills else None, agreed)
 
 
+def hold_failed(epoch: Epoch, shrink: bool) -> None:
+    """The epoch failed: retire it (NCCL: abort its communicators), or keep it for :func:`shrink_failed` where
+    ``shrink`` (``recycle.nccl_shrink``) asks for it and its communicators can be shrunk."""
+    if shrink and isinstance(epoch.comm, NcclEpochComm):
+        epoch.comm.hold()
+    else:
+        epoch.comm.retire()
+
+
+def shrink_failed(epoch: Epoch, lost: Sequence[int]) -> ShrunkGroups | None:
+    """The members agreed on who is ``lost``: the failed epoch's NCCL communicators without them where it was kept
+    for that (:meth:`~ds_recycle.resilience.nccl.NcclEpochComm.shrink`); the epoch is retired in any case."""
+    if isinstance(epoch.comm, NcclEpochComm):
+        return epoch.comm.shrink(lost)
+    epoch.comm.retire()
+    return None
+
+
+def agree_on_shrunk(job: Job, label: str, number: int, members: Sequence[int], shrunk: ShrunkGroups | None,
+                    poll_s: float = 0.001) -> ShrunkGroups | None:
+    """``shrunk`` if every member shrank the failed epoch's communicators (each says so in the store), else None
+    (this member's are aborted): the next epoch is built from them on all members or on none.
+
+    Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when a member dies or does not answer in time."""
+    store, keys = job.store, job.keys
+    store.set(keys.shrunk(label, number, job.rank), "1" if shrunk is not None else "0")
+    answers = [keys.shrunk(label, number, q) for q in members]
+    deadline = time.monotonic() + job.timeout_s
+    try:
+        while not store.check(answers):
+            if job.watchdog.failed():
+                raise PeerFailure(f"a member was lost while the members of epoch {number} compared their shrinks: "
+                                  f"{job.watchdog.reason()}")
+            if time.monotonic() > deadline:
+                raise PeerFailure(f"not every member of epoch {number} said within {job.timeout_s} s whether it "
+                                  "shrank the failed epoch's communicators")
+            time.sleep(poll_s)
+            poll_s = min(2 * poll_s, 0.05)
+    except PeerFailure:
+        if shrunk is not None:
+            shrunk.discard()
+        raise
+    if shrunk is not None and all(store.get(a) == b"1" for a in answers):
+        return shrunk
+    if shrunk is not None:
+        logger.warning("epoch %d: not every member shrank the failed epoch's communicators; building new ones", number)
+        shrunk.discard()
+    return None
+
+
 def regroup(job: Job, number: int, members: Sequence[int], tag: str, rider: LossRider,
-            known: dict[int, int] | None = None) -> Epoch:
+            known: dict[int, int] | None = None, shrunk: ShrunkGroups | None = None) -> Epoch:
     """Build epoch ``number``'s groups among ``members`` (every member calls it with the same arguments).
 
     The watchdog watches the members from now on (``known``: restart counts of joiners, from their requests) and
     breaks the groups if one dies; a member that dies while the groups connect is a
-    :class:`~ds_recycle.resilience.errors.PeerFailure`.
+    :class:`~ds_recycle.resilience.errors.PeerFailure`. On NCCL, the members first agree whether the next epoch
+    takes the communicators each shrank from the failed one (``shrunk``, :func:`agree_on_shrunk`).
     """
     workers = job.workers_of(members)
     stage_members = workers.stage_ranks(job.stage)
@@ -187,16 +238,20 @@ def regroup(job: Job, number: int, members: Sequence[int], tag: str, rider: Loss
     store = connect_store(timeout_s=job.timeout_s)
     label = f"g{job.generation}{tag}"
     device = job.nccl_device
+    if device is not None:
+        shrunk = agree_on_shrunk(job, label, number, members, shrunk)
 
     def build() -> EpochComm:
         if device is None:
             return EpochComm.build(store, number, list(members), stage_members, job.rank, job.timeout_s, job.watchdog,
                                    label, holders)
         return NcclEpochComm.build_nccl(store, number, list(members), stage_members, job.rank, job.timeout_s,
-                                        job.watchdog, device, label, holders)
+                                        job.watchdog, device, label, holders, shrunk=shrunk)
     try:
         comm = run_guarded(build, job.watchdog, job.timeout_s, f"building epoch {number}{tag}")
     except RuntimeError as e:  # a member died while the groups were being connected
+        if shrunk is not None:  # what the build did not take
+            shrunk.discard()
         raise PeerFailure(f"building the groups of epoch {number}: {e}") from e
     # Waits block in gloo from here on: a trip of the watch breaks every group of the epoch (NCCL's waits poll it).
     job.watchdog.guard(comm.groups)

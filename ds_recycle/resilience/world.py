@@ -110,8 +110,9 @@ def init_worker(timeout_s: float = 600.0, threads: int | None = None) -> World:
     from deepspeed.comm.comm import init_distributed  # DeepSpeed's own (the launcher's bootstrap routes the
     # public names, deepspeed.init_distributed and deepspeed.comm.init_distributed, here)
 
-    # gloo on GPUs too: CUDA tensors are staged through host memory (ds_recycle.engine.devices) until the NCCL
-    # transport exists (recycle.transport); placed first, so that DeepSpeed's own placements find the device
+    # WORLD and DeepSpeed's groups are gloo's, on GPUs too: no NCCL communicator outside the epochs' ever holds a dead
+    # rank (the epochs carry the training's tensors, over NCCL where recycle.transport takes it); the GPU is
+    # placed first, so that DeepSpeed's own placements find the device
     place_worker(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "gloo"
     rejoining = False

@@ -60,6 +60,7 @@ def test_worker_env_contract() -> None:
 def test_workers_get_the_nccl_settings_that_keep_survivors_alive_unless_the_user_set_them() -> None:
     env = worker_env(JobSpec(TWO_NODES, 0, "h", 1, Program("t.py"), base_env={}, cuda_available=True), 0)
     assert {k: env[k] for k in NCCL_ENV} == dict(NCCL_ENV) and NCCL_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert NCCL_ENV["NCCL_LAUNCH_ORDER_IMPLICIT"] == "1"  # the epoch's communicators run in the host's one order
     base = {"NCCL_NVLS_ENABLE": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     env = worker_env(JobSpec(TWO_NODES, 0, "h", 1, Program("t.py"), base_env=base, cuda_available=True), 0)
     assert env["NCCL_NVLS_ENABLE"] == "1" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"

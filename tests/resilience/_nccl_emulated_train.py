@@ -5,7 +5,9 @@ abort before the survivors regroup) where this CPU build of torch has no NCCL.
 
 What the stand-in cannot show is NCCL itself: its "abort" fails the communicator's pending and later waits (as
 NCCL's does) but leaves gloo's operations as they are, and a wait on the stream is a wait of the host (so a worker
-blocked there is released by the watchdog's backstop abort). Each worker writes the calls it saw to ``$NCCL_CALLS_DIR``.
+blocked there is released by the watchdog's backstop abort). With ``NCCL_STANDIN_SHRINK=1`` the communicators can be
+shrunk: a shrink aborts the parent and connects a gloo group among the members left (collective among them, as
+``ncclCommShrink`` is). Each worker writes the calls it saw to ``$NCCL_CALLS_DIR``.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ sys.path.insert(0, str(REPO))
 import ds_recycle.resilience.handler as handler  # noqa: E402
 import ds_recycle.resilience.nccl as nccl  # noqa: E402
 
-CALLS: dict[str, int] = {"communicators": 0, "groups": 0, "group_aborts": 0, "aborts": 0}
+CALLS: dict[str, int] = {"communicators": 0, "groups": 0, "group_aborts": 0, "aborts": 0, "shrinks": 0}
 
 
 def _dump() -> None:
@@ -114,8 +116,11 @@ class CoalescingGloo:
 class AbortRecorder:
     """The backend's abort calls: counted, and every work of the communicator fails from then on."""
 
-    def __init__(self) -> None:
+    supports_shrinking = os.environ.get("NCCL_STANDIN_SHRINK") == "1"
+
+    def __init__(self, index: int, size: int, timeout_s: float) -> None:
         self.aborted = threading.Event()
+        self.index, self.size, self.timeout_s = index, size, timeout_s
 
     def _group_start(self) -> None:
         CALLS["group_aborts"] += 1
@@ -135,13 +140,27 @@ def connect(store: dist.Store, index: int, size: int, timeout_s: float, device: 
     CALLS["communicators"] += 1
     _dump()
     gloo = dist.ProcessGroupGloo(store, index, size, timedelta(seconds=timeout_s))
-    backend = AbortRecorder()
+    backend = AbortRecorder(index, size, timeout_s)
     return backend, CoalescingGloo(gloo, backend.aborted)
 
 
+def shrink(parent: AbortRecorder, store: dist.Store, excluded: list[int]) -> tuple[Any, Any]:
+    from datetime import timedelta
+
+    CALLS["shrinks"] += 1
+    _dump()
+    parent.aborted.set()  # SHRINK_ABORT: the parent's pending operations end first
+    index = parent.index - sum(e < parent.index for e in excluded)
+    size = parent.size - len(excluded)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("shrunk/", store), index, size, timedelta(seconds=parent.timeout_s))
+    child = AbortRecorder(index, size, parent.timeout_s)
+    return child, CoalescingGloo(gloo, child.aborted)
+
+
 nccl.connect_nccl = connect  # type: ignore[assignment]
+nccl.shrink_nccl = shrink  # type: ignore[assignment]
 torch.cuda.Event = DoneEvent  # type: ignore[misc, assignment]
-handler.nccl_device = lambda device, sharing: device  # type: ignore[assignment]  # any device: the CPU here
+handler.epoch_device = lambda transport, device, sharing: device  # type: ignore[assignment]  # the CPU here
 sys.argv[0] = str(REPO / "launch" / "train.py")
 try:
     runpy.run_path(str(REPO / "launch" / "train.py"), run_name="__main__")

@@ -1,6 +1,7 @@
 """The NCCL groups of an epoch (resilience/nccl.py) against recording stand-ins for torch's NCCL backend (this CPU
 build of torch has none): a step's transfers posted as one NCCL group, waits that poll and never block, the epoch's
-communicators aborted inside one NCCL group with a deadline, nothing destroyed, and where the transport is refused."""
+communicators aborted inside one NCCL group with a deadline, nothing destroyed, the shrink after a removal, and where
+the transport is chosen or refused."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,17 @@ import torch.distributed as dist
 
 from ds_recycle.config.errors import ConfigError
 from ds_recycle.resilience.errors import PeerFailure
-from ds_recycle.resilience.nccl import NcclEpochComm, NcclGroup, abort_together, nccl_device, polled_wait
+from ds_recycle.resilience.nccl import (
+    NcclEpochComm,
+    NcclGroup,
+    ShrunkGroups,
+    abort_together,
+    epoch_device,
+    nccl_device,
+    polled_wait,
+)
+from ds_recycle.resilience.phases import Job, agree_on_shrunk
+from ds_recycle.resilience.store import StoreKeys
 from tests.harness import assert_same_model, failure_report, run, tiny_config
 
 GPU = torch.device("cuda", 0)
@@ -61,6 +72,8 @@ class FakePG:
 
 
 class FakeBackend:
+    supports_shrinking = False
+
     def __init__(self, calls: Calls, name: str, hang: threading.Event | None = None) -> None:
         self.calls, self.name, self.hang = calls, name, hang
 
@@ -79,12 +92,26 @@ class FakeBackend:
         raise AssertionError(f"the backend's {op} was called")
 
 
-def fake_connect(calls: Calls) -> Any:
+class Shrinkable(FakeBackend):
+    supports_shrinking = True
+
+
+def fake_connect(calls: Calls, backend: type[FakeBackend] = FakeBackend) -> Any:
     def connect(store: dist.Store, index: int, size: int, timeout_s: float, device: torch.device) -> tuple[Any, Any]:
         name = f"comm{len([c for c in calls.log if c[0] == 'connect'])}"
         calls.log.append(("connect", name, index, size, timeout_s, str(device)))
-        return FakeBackend(calls, name), FakePG(calls, name)
+        return backend(calls, name), FakePG(calls, name)
     return connect
+
+
+def fake_shrink(calls: Calls, fails: str = "") -> Any:
+    """``nccl.shrink_nccl``'s stand-in: the child is ``<parent>-shrunk``; the shrink of ``fails`` raises."""
+    def shrink(backend: FakeBackend, store: dist.Store, excluded: list[int]) -> tuple[Any, Any]:
+        calls.log.append(("shrink", backend.name, list(excluded)))
+        if backend.name == fails:
+            raise RuntimeError("NCCL error: remote process exited")
+        return Shrinkable(calls, f"{backend.name}-shrunk"), FakePG(calls, f"{backend.name}-shrunk")
+    return shrink
 
 
 class Detector:
@@ -189,29 +216,34 @@ def test_the_nccl_transport_is_refused_where_it_cannot_run(monkeypatch: pytest.M
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("kill, dead", [("1:0@3:forward", 1), ("0:1@2:receive", 2)])
+@pytest.mark.parametrize("kill, dead, shrink", [("1:0@3:forward", 1, False), ("0:1@2:receive", 2, True)])
 def test_a_job_on_the_nccl_path_over_stand_in_communicators_survives_a_kill_at_the_failure_free_model(
-        tmp_path: Path, reference: Callable[[int, int, int], Path], kill: str, dead: int) -> None:
+        tmp_path: Path, reference: Callable[[int, int, int], Path], kill: str, dead: int, shrink: bool) -> None:
     """The NCCL transport's whole path in a real 2 x 2 job (tests/resilience/_nccl_emulated_train.py: gloo stands in
     for NCCL's communicators): every epoch's groups built as NCCL's, each step's transfers posted as one group, the
     failed epoch retired by one group abort on every survivor before they regroup, and the model at the end the
-    failure-free one, bit for bit."""
+    failure-free one, bit for bit. With ``shrink``, the survivors' p2p and norm communicators are the failed
+    epoch's, shrunk after the agreement, and only the stage groups are built afresh."""
     config = tiny_config(tmp_path, "nccl", 2, 2, failure_timeout_s=60.0, transport="nccl")
     out, calls = tmp_path / "final.pt", tmp_path / "calls"
     calls.mkdir()
     job = run([sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", "4", "--master_port", "0",
                str(Path(__file__).parent / "_nccl_emulated_train.py"), "--deepspeed_config", str(config),
                "--steps", "7", "--save-final", str(out), "--kill", kill], timeout=180,
-              env={"NCCL_CALLS_DIR": str(calls)})
+              env={"NCCL_CALLS_DIR": str(calls), "NCCL_STANDIN_SHRINK": "1" if shrink else "0"})
     assert job.returncode == 0, failure_report(job.output)
     assert_same_model(out, reference(2, 2, 7))
     seen = {p.stem: json.loads(p.read_text()) for p in calls.glob("*.json")}
     survivors = [seen[f"rank{r}-life0"] for r in range(4) if r != dead]
     for rank_calls in survivors:
-        assert rank_calls["communicators"] >= 6  # p2p, norm, stage: the first epoch's and the survivors'
+        built = rank_calls["communicators"] + rank_calls["shrinks"]
+        assert built == 6  # p2p, norm, stage: the first epoch's and the survivors'
+        assert rank_calls["shrinks"] == (2 if shrink else 0)  # a stage group left with one member is built
         assert rank_calls["groups"] >= 2 * 7  # each iteration's transfers, in NCCL groups (M = 4: at least two)
-        assert rank_calls["group_aborts"] == 1 and rank_calls["aborts"] >= 3  # the failed epoch, all together
+        # the failed epoch, all together, and the last one at the end of training
+        assert rank_calls["group_aborts"] == 2 and rank_calls["aborts"] >= 6
     assert "NCCL communicators aborted in" in job.output
+    assert ("NCCL communicators shrunk in" in job.output) is shrink
 
 
 def test_a_received_tensor_is_waited_for_on_the_stream_and_the_host_checks_the_stream_every_few_waits(
@@ -291,9 +323,9 @@ def test_a_restarted_worker_rejoins_on_the_nccl_path_and_the_members_retire_the_
             job.proc.kill()
     assert_same_model(out, reference(2, 2, steps))
     seen = {p.stem: json.loads(p.read_text()) for p in calls.glob("*.json")}
-    for rank in (0, 2, 3):  # the failed epoch, then the one without (1, 0) once it is back
-        assert seen[f"rank{rank}-life0"]["group_aborts"] == 2, seen
-    assert seen["rank1-life1"]["communicators"] >= 3 and seen["rank1-life1"]["group_aborts"] == 0, seen
+    for rank in (0, 2, 3):  # the failed epoch, the one without (1, 0) once it is back, the last one at the end
+        assert seen[f"rank{rank}-life0"]["group_aborts"] == 3, seen
+    assert seen["rank1-life1"]["communicators"] >= 3 and seen["rank1-life1"]["group_aborts"] == 1, seen
 
 
 def test_an_operation_that_cannot_be_posted_on_an_aborted_communicator_is_a_peer_failure() -> None:
@@ -313,3 +345,100 @@ def test_an_operation_that_cannot_be_posted_on_an_aborted_communicator_is_a_peer
     with pytest.raises(RuntimeError, match="unspecified launch failure") as raised:
         group.all_reduce_sum(torch.zeros(1))
     assert not isinstance(raised.value, PeerFailure)
+
+
+def test_auto_takes_nccl_where_every_worker_has_a_gpu_of_its_own_and_gloo_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert epoch_device("auto", cpu, 1) is None and epoch_device("gloo", cpu, 1) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert epoch_device("auto", GPU, 1) == GPU and epoch_device("nccl", GPU, 1) == GPU
+    assert epoch_device("auto", GPU, 2) is None and epoch_device("gloo", GPU, 1) is None  # shared: staged gloo
+    with pytest.raises(ConfigError, match="2 workers on each GPU"):
+        epoch_device("nccl", GPU, 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert epoch_device("auto", GPU, 1) is None
+
+
+def test_after_a_removal_the_survivors_shrink_what_lost_a_member_abort_the_epoch_together_and_build_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept at the failure (nothing done to NCCL), the epoch is shrunk once the members agree rank 1 is lost: p2p
+    and norm without it, in that order; the stage group, left with one member, and the tied group, which lost
+    none, are not; then every communicator of the epoch is aborted inside one NCCL group. The next epoch takes the
+    shrunk p2p and norm, with their members numbered as NCCL numbers them, and builds the other two."""
+    import ds_recycle.resilience.nccl as nccl
+
+    calls = Calls()
+    monkeypatch.setattr(nccl, "shrink_nccl", fake_shrink(calls))
+    comm = NcclEpochComm.build_nccl(dist.HashStore(), 1, [0, 1, 2, 3], [1, 3], 3, 30.0, Detector(), GPU, "g0",
+                                    {"embed": [0, 3]}, connect=fake_connect(calls, Shrinkable))
+    calls.log.clear()
+    assert comm.hold() and calls.log == []
+    comm.p2p.break_links()  # the watchdog's trip: the kept epoch has its own, longer, backstop
+    shrunk = comm.shrink([1])
+    assert shrunk is not None and comm.retired_in_s is not None
+    assert calls.log == [("shrink", "comm0", [1]), ("shrink", "comm1", [1]), ("group_start", "comm0"),
+                         ("abort", "comm0"), ("abort", "comm1"), ("abort", "comm2"), ("abort", "comm3"),
+                         ("group_end", "comm0")]
+    assert comm.shrink([1]) is None and comm.hold() is False  # retired: nothing more
+    calls.log.clear()
+    after = NcclEpochComm.build_nccl(dist.HashStore(), 2, [0, 2, 3], [3], 3, 30.0, Detector(), GPU, "g0",
+                                     {"embed": [0, 3]}, connect=fake_connect(calls, Shrinkable), shrunk=shrunk)
+    assert [c[0] for c in calls.log] == ["connect", "connect"]  # the stage and tied groups only
+    assert after.shrunk_roles == ("p2p", "norm") and shrunk.pairs == {}
+    assert after.p2p.backend.name == "comm0-shrunk" and after.norm.backend.name == "comm1-shrunk"  # type: ignore
+    assert after.p2p.index == {0: 0, 2: 1, 3: 2}
+    after.p2p.send(torch.zeros(1), 2)
+    assert calls.log[-2][:2] == ("comm0-shrunk", "send") and calls.log[-2][3] == 1  # rank 2 is index 1 now
+
+
+def test_a_failed_shrink_aborts_what_it_made_and_the_epoch_and_an_epoch_not_shrunk_in_time_is_aborted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ds_recycle.resilience.nccl as nccl
+
+    calls = Calls()
+    monkeypatch.setattr(nccl, "shrink_nccl", fake_shrink(calls, fails="comm1"))
+    comm = NcclEpochComm.build_nccl(dist.HashStore(), 1, [0, 1, 2], [0, 1, 2], 0, 30.0, Detector(), GPU,
+                                    connect=fake_connect(calls, Shrinkable))
+    calls.log.clear()
+    assert comm.hold() and comm.shrink([2]) is None
+    assert calls.log == [("shrink", "comm0", [2]), ("shrink", "comm1", [2]),  # fails: the stage's is not tried
+                         ("group_start", "comm0-shrunk"), ("abort", "comm0-shrunk"), ("group_end", "comm0-shrunk"),
+                         ("group_start", "comm0"), ("abort", "comm0"), ("abort", "comm1"), ("abort", "comm2"),
+                         ("group_end", "comm0")]
+    monkeypatch.setattr(nccl, "SHRINK_WINDOW_S", 0.05)
+    for backend in (Shrinkable, FakeBackend):  # kept, then aborted by its backstop; or not shrinkable: at once
+        calls.log.clear()
+        comm = NcclEpochComm.build_nccl(dist.HashStore(), 1, [0, 1], [0, 1], 0, 30.0, Detector(), GPU,
+                                        connect=fake_connect(calls, backend))
+        assert comm.hold() is (backend is Shrinkable)
+        deadline = time.monotonic() + 5.0
+        while comm.retired_in_s is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert comm.retired_in_s is not None and comm.shrink([1]) is None
+        assert [c[0] for c in calls.log].count("group_start") == 1
+
+
+def test_the_next_epoch_takes_the_shrunk_communicators_only_if_every_member_shrank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from typing import cast
+
+    calls = Calls()
+    store = dist.HashStore()
+    detector = Detector()
+    job = Job(store, StoreKeys(), 0, 0, 5.0, cast(Any, detector), cast(Any, None), 0, ())
+
+    def shrunk() -> ShrunkGroups:
+        return ShrunkGroups({("p2p", (0, 2)): (Shrinkable(calls, "child"), None)})
+    store.set(StoreKeys().shrunk("g0", 1, 2), "1")
+    mine = shrunk()
+    assert agree_on_shrunk(job, "g0", 1, [0, 2], mine) is mine and calls.log == []
+    store.set(StoreKeys().shrunk("g0", 2, 2), "0")  # the other member's shrink failed: this one's are aborted
+    assert agree_on_shrunk(job, "g0", 2, [0, 2], shrunk()) is None
+    assert calls.log == [("group_start", "child"), ("abort", "child"), ("group_end", "child")]
+    calls.log.clear()
+    detector.dead = True  # a member dies before it answers
+    with pytest.raises(PeerFailure, match="compared their shrinks: rank 3 exited"):
+        agree_on_shrunk(job, "g0", 3, [0, 2], shrunk())
+    assert ("abort", "child") in calls.log
