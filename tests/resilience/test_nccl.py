@@ -300,8 +300,9 @@ def test_the_watchdogs_trip_aborts_the_epoch_from_its_thread_only_if_the_trainin
 def test_a_restarted_worker_rejoins_on_the_nccl_path_and_the_members_retire_the_epoch_they_leave(
         tmp_path: Path, reference: Callable[[int, int, int], Path]) -> None:
     """The same stand-ins through a rejoin: (1, 0) killed at iteration 2, restarted by the launcher, builds the next
-    epoch's NCCL groups with the members and takes its stage's state over them; the members retire the failed epoch
-    and, once it is in, the one they ran without it. The model is the failure-free one."""
+    epoch's NCCL groups with the members and takes its stage's state over them; the members shrink the failed epoch
+    and, once it is in, retire the one they ran without it (on the shrunk communicators). The model is the
+    failure-free one."""
     from tests.launcher.launch_harness import LaunchedJob
 
     steps = 100  # enough left after the kill to admit the restarted worker (the members pause while it starts)
@@ -312,6 +313,7 @@ def test_a_restarted_worker_rejoins_on_the_nccl_path_and_the_members_retire_the_
                        "--max_restarts", "1", str(Path(__file__).parent / "_nccl_emulated_train.py"),
                        "--deepspeed_config", str(config), "--steps", str(steps), "--save-final", str(out),
                        "--kill", "1:0@2:forward"], env={"WANDB_MODE": "disabled", "NCCL_CALLS_DIR": str(calls),
+                                                        "NCCL_STANDIN_SHRINK": "1",
                                                         "PYTHONPATH": str(Path(__file__).parents[2])})
     try:
         with job.members_paused(1, 1, [0, 2, 3]):
@@ -324,7 +326,7 @@ def test_a_restarted_worker_rejoins_on_the_nccl_path_and_the_members_retire_the_
     assert_same_model(out, reference(2, 2, steps))
     seen = {p.stem: json.loads(p.read_text()) for p in calls.glob("*.json")}
     for rank in (0, 2, 3):  # the failed epoch, the one without (1, 0) once it is back, the last one at the end
-        assert seen[f"rank{rank}-life0"]["group_aborts"] == 3, seen
+        assert seen[f"rank{rank}-life0"]["group_aborts"] == 3 and seen[f"rank{rank}-life0"]["shrinks"] == 2, seen
     assert seen["rank1-life1"]["communicators"] >= 3 and seen["rank1-life1"]["group_aborts"] == 1, seen
 
 
