@@ -27,11 +27,12 @@ The same shape as the gloo groups (:mod:`ds_recycle.resilience.comm`), with what
 - **Shrinking instead of building** (``recycle.nccl_shrink``, where the NCCL build has ``ncclCommShrink``, 2.27+).
   After a failure that only removes members, the next epoch's communicators are the failed epoch's with the lost
   ranks cut out, not new ones: the survivors keep the failed epoch (:meth:`NcclEpochComm.hold`) until they agree
-  who is lost, then each shrinks every communicator that lost a member (``SHRINK_ABORT``: its pending operations are
-  aborted first, only the survivors call it) in one order on every rank (p2p, norm, stage, tied by name), and
-  aborts the parents together (:meth:`NcclEpochComm.shrink`). The survivors then tell each other through the store
-  whether every shrink worked; only if all did is the next epoch built from the shrunk communicators, otherwise
-  they are aborted and every group is built afresh (:func:`ds_recycle.resilience.phases.regroup`). Communicators
+  who is lost. Each then tells the others through the store that it still has the epoch (from then on its backstop
+  cannot abort it); only if all do, each shrinks every communicator that lost a member (``SHRINK_ABORT``: its
+  pending operations are aborted first, only the survivors call it) in one order on every rank (p2p, norm, stage,
+  tied by name), and aborts the parents together (:meth:`NcclEpochComm.shrink`). The survivors then tell each
+  other whether every shrink worked; only if all did is the next epoch built from the shrunk communicators,
+  otherwise they are aborted and every group is built afresh (:func:`ds_recycle.resilience.phases.regroup`). Communicators
   that lost no member are built afresh either way. While the failed epoch is kept, the watchdog's backstop waits
   :data:`SHRINK_WINDOW_S` rather than :data:`BACKSTOP_S`, so a training thread stuck in CUDA behind a dead peer is
   still released.
@@ -391,14 +392,23 @@ class NcclEpochComm(EpochComm):
             self._backstop.start()
         return True
 
-    def shrink(self, lost: Collection[int]) -> ShrunkGroups | None:
+    def shrink(self, lost: Collection[int], all_kept: Callable[[bool], bool] | None = None) -> ShrunkGroups | None:
         """The members agreed that ``lost`` are gone: shrink every communicator that lost a member and keeps two
         (see the module docstring), then abort every communicator of the epoch together. Returns the children, or
-        None where the epoch was retired already or a shrink failed (then the children made are aborted too)."""
+        None where the epoch was retired already or a shrink failed (then the children made are aborted too).
+
+        ``all_kept(kept)`` tells the other members whether this one still has the epoch (its backstop can no longer
+        abort it then) and answers whether every member does: a shrink is collective, so none starts one unless
+        all will (a member whose backstop aborted the epoch, its training thread stuck in CUDA, will not)."""
+        with self._retire_lock:
+            kept = self.retired_in_s is None
+            self._cancel_backstop()
+        if all_kept is not None and not all_kept(kept):
+            self.retire()
+            return None
         with self._retire_lock:
             if self.retired_in_s is not None:
                 return None
-            self._cancel_backstop()
             started = time.monotonic()
             cuts = [(role, g, [g.index[r] for r in g.members if r in lost]) for role, g in self.roles()]
             cuts = [(role, g, out) for role, g, out in cuts if out and len(g.members) - len(out) >= 2]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,45 +180,66 @@ def hold_failed(epoch: Epoch, shrink: bool) -> None:
         epoch.comm.retire()
 
 
-def shrink_failed(epoch: Epoch, lost: Sequence[int]) -> ShrunkGroups | None:
-    """The members agreed on who is ``lost``: the failed epoch's NCCL communicators without them where it was kept
-    for that (:meth:`~ds_recycle.resilience.nccl.NcclEpochComm.shrink`); the epoch is retired in any case."""
-    if isinstance(epoch.comm, NcclEpochComm):
-        return epoch.comm.shrink(lost)
-    epoch.comm.retire()
-    return None
+def shrink_failed(job: Job, epoch: Epoch, agreement: Agreement) -> ShrunkGroups | None:
+    """The members agreed on who is lost: the failed ``epoch``'s NCCL communicators without them where every member
+    kept its epoch for that (:meth:`~ds_recycle.resilience.nccl.NcclEpochComm.shrink`); retired in any case."""
+    if not isinstance(epoch.comm, NcclEpochComm):
+        epoch.comm.retire()
+        return None
+
+    def gone(missing: Sequence[int]) -> str | None:  # the watchdog watches the failed epoch still: ask it by member
+        dead = [q for q in missing if job.watchdog.dead(q)]
+        return f"rank(s) {dead} lost since the agreement" if dead else None
+
+    def all_kept(kept: bool) -> bool:
+        try:
+            return all_say(job, "kept", agreement.epoch, agreement.members, kept, gone)
+        except PeerFailure as e:  # the regroup that follows meets the loss: the epoch is built afresh
+            logger.warning("epoch %d: %s; its communicators are built, not shrunk", agreement.epoch, e)
+            return False
+    return epoch.comm.shrink(agreement.lost, all_kept)
 
 
-def agree_on_shrunk(job: Job, label: str, number: int, members: Sequence[int], shrunk: ShrunkGroups | None,
-                    poll_s: float = 0.001) -> ShrunkGroups | None:
+def all_say(job: Job, question: str, number: int, members: Sequence[int], yes: bool,
+            gone: Callable[[Sequence[int]], str | None], poll_s: float = 0.001) -> bool:
+    """Answer ``question`` (about shrinking into epoch ``number``) with ``yes`` and wait for every member's answer:
+    whether all said yes. Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when ``gone`` names a reason
+    (given the members yet to answer) or the answers do not come within the job's timeout."""
+    store, keys = job.store, job.keys
+    store.set(keys.shrink_vote(question, number, job.rank), "1" if yes else "0")
+    answers = {q: keys.shrink_vote(question, number, q) for q in members}
+    deadline = time.monotonic() + job.timeout_s
+    while not store.check(list(answers.values())):
+        why = gone([q for q, key in answers.items() if not store.check([key])])
+        if why is not None:
+            raise PeerFailure(f"shrinking into epoch {number} ({question}): {why}")
+        if time.monotonic() > deadline:
+            raise PeerFailure(f"shrinking into epoch {number} ({question}): not every member answered within "
+                              f"{job.timeout_s} s")
+        time.sleep(poll_s)
+        poll_s = min(2 * poll_s, 0.05)
+    return all(store.get(key) == b"1" for key in answers.values())
+
+
+def agree_on_shrunk(job: Job, label: str, number: int, members: Sequence[int],
+                    shrunk: ShrunkGroups | None) -> ShrunkGroups | None:
     """``shrunk`` if every member shrank the failed epoch's communicators (each says so in the store), else None
     (this member's are aborted): the next epoch is built from them on all members or on none.
 
     Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when a member dies or does not answer in time."""
-    store, keys = job.store, job.keys
-    store.set(keys.shrunk(label, number, job.rank), "1" if shrunk is not None else "0")
-    answers = [keys.shrunk(label, number, q) for q in members]
-    deadline = time.monotonic() + job.timeout_s
+    def gone(missing: Sequence[int]) -> str | None:  # the watchdog watches the new epoch's members now
+        return f"a member was lost: {job.watchdog.reason()}" if job.watchdog.failed() else None
     try:
-        while not store.check(answers):
-            if job.watchdog.failed():
-                raise PeerFailure(f"a member was lost while the members of epoch {number} compared their shrinks: "
-                                  f"{job.watchdog.reason()}")
-            if time.monotonic() > deadline:
-                raise PeerFailure(f"not every member of epoch {number} said within {job.timeout_s} s whether it "
-                                  "shrank the failed epoch's communicators")
-            time.sleep(poll_s)
-            poll_s = min(2 * poll_s, 0.05)
+        every = all_say(job, f"done/{label}", number, members, shrunk is not None, gone)
     except PeerFailure:
         if shrunk is not None:
             shrunk.discard()
         raise
-    if shrunk is not None and all(store.get(a) == b"1" for a in answers):
-        return shrunk
-    if shrunk is not None:
+    if shrunk is not None and not every:
         logger.warning("epoch %d: not every member shrank the failed epoch's communicators; building new ones", number)
         shrunk.discard()
-    return None
+        return None
+    return shrunk
 
 
 def regroup(job: Job, number: int, members: Sequence[int], tag: str, rider: LossRider,

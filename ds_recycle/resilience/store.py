@@ -66,10 +66,10 @@ class StoreKeys:
         """Counter of the members of ``epoch`` whose training is over (:func:`~ds_recycle.resilience.phases.end_barrier`)."""
         return f"{self.root}/epoch/{epoch}/end/count"
 
-    def shrunk(self, label: str, epoch: int, rank: int) -> str:
-        """``1`` or ``0``: whether ``rank`` shrank the failed epoch's NCCL communicators for epoch ``epoch`` (the
-        regroup ``label``): the next epoch takes them only if every member did."""
-        return f"{self.root}/epoch/{epoch}/shrunk/{label}/{rank}"
+    def shrink_vote(self, question: str, epoch: int, rank: int) -> str:
+        """``1`` or ``0``: ``rank``'s answer to ``question`` about shrinking the failed epoch's NCCL communicators
+        into epoch ``epoch`` (``kept``: it still has them; ``done/<regroup label>``: it shrank them)."""
+        return f"{self.root}/epoch/{epoch}/shrink/{question}/{rank}"
 
     def end_outcome(self, epoch: int) -> str:
         """``done`` or ``failed``: the end of training in ``epoch``, decided once (the first ``compare_set`` wins)."""

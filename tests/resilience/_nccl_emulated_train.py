@@ -4,8 +4,9 @@ over gloo communicators that stand in for NCCL's, so that a job runs the whole N
 abort before the survivors regroup) where this CPU build of torch has no NCCL.
 
 What the stand-in cannot show is NCCL itself: its "abort" fails the communicator's pending and later waits (as
-NCCL's does) but leaves gloo's operations as they are, and a wait on the stream is a wait of the host (so a worker
-blocked there is released by the watchdog's backstop abort). With ``NCCL_STANDIN_SHRINK=1`` the communicators can be
+NCCL's does) but leaves gloo's operations as they are, and a wait on the stream is a wait of the host; a worker
+blocked there is released when the watchdog trips (where NCCL's host would see the detector between its polls of
+the stream). With ``NCCL_STANDIN_SHRINK=1`` the communicators can be
 shrunk: a shrink aborts the parent and connects a gloo group among the members left (collective among them, as
 ``ncclCommShrink`` is). Each worker writes the calls it saw to ``$NCCL_CALLS_DIR``.
 """
@@ -43,9 +44,9 @@ class AllOf:
     aborted (as an NCCL work is). gloo's point-to-point works complete only inside their ``wait()``, so a thread waits
     for them and the group reports that thread's end."""
 
-    def __init__(self, works: list[Any], aborted: threading.Event) -> None:
+    def __init__(self, works: list[Any], aborted: threading.Event, tripped: threading.Event) -> None:
         self.error: BaseException | None = None
-        self.aborted = aborted
+        self.aborted, self.tripped = aborted, tripped
         self.thread = threading.Thread(target=self._wait_all, args=(works,), daemon=True)
         self.thread.start()
 
@@ -63,6 +64,8 @@ class AllOf:
         while self.thread.is_alive():
             if self.aborted.is_set():
                 raise RuntimeError("NCCL communicator was aborted")
+            if self.tripped.is_set():
+                raise RuntimeError("the watchdog tripped while the stream waited")
             self.thread.join(0.01)
         if self.error is not None:
             raise RuntimeError(str(self.error)) from self.error
@@ -84,7 +87,7 @@ class CoalescingGloo:
 
     def __init__(self, gloo: Any, aborted: threading.Event) -> None:
         self.gloo = gloo
-        self.aborted = aborted
+        self.aborted, self.tripped = aborted, threading.Event()
         self.open: list[Any] | None = None
 
     def _start_coalescing(self, device: torch.device) -> None:
@@ -96,7 +99,7 @@ class CoalescingGloo:
         works, self.open = self.open or [], None
         CALLS["groups"] += 1
         _dump()  # the worker may leave with os._exit: what it saw is on disk as it goes
-        return AllOf(works, self.aborted)
+        return AllOf(works, self.aborted, self.tripped)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         return self._kept(self.gloo.send(tensors, dst, tag))
@@ -157,6 +160,17 @@ def shrink(parent: AbortRecorder, store: dist.Store, excluded: list[int]) -> tup
     return child, CoalescingGloo(gloo, child.aborted)
 
 
+_backstop = nccl.NcclEpochComm.backstop
+
+
+def backstop(comm: nccl.NcclEpochComm) -> None:
+    """The watchdog tripped: the epoch's waits end (see the module docstring), and NCCL's backstop is armed."""
+    for group in comm.groups:
+        group.pg.tripped.set()  # type: ignore[attr-defined]
+    _backstop(comm)
+
+
+nccl.NcclEpochComm.backstop = backstop  # type: ignore[method-assign]
 nccl.connect_nccl = connect  # type: ignore[assignment]
 nccl.shrink_nccl = shrink  # type: ignore[assignment]
 torch.cuda.Event = DoneEvent  # type: ignore[misc, assignment]

@@ -420,6 +420,13 @@ def test_a_failed_shrink_aborts_what_it_made_and_the_epoch_and_an_epoch_not_shru
             time.sleep(0.01)
         assert comm.retired_in_s is not None and comm.shrink([1]) is None
         assert [c[0] for c in calls.log].count("group_start") == 1
+    # a member whose epoch is gone (its backstop aborted it) makes every member build afresh: none starts a shrink
+    calls.log.clear()
+    comm = NcclEpochComm.build_nccl(dist.HashStore(), 1, [0, 1, 2], [0, 1, 2], 0, 30.0, Detector(), GPU,
+                                    connect=fake_connect(calls, Shrinkable))
+    said: list[bool] = []
+    assert comm.hold() and comm.shrink([2], lambda kept: said.append(kept) or False) is None
+    assert said == [True] and "shrink" not in [c[0] for c in calls.log] and comm.retired_in_s is not None
 
 
 def test_the_next_epoch_takes_the_shrunk_communicators_only_if_every_member_shrank(
@@ -433,14 +440,14 @@ def test_the_next_epoch_takes_the_shrunk_communicators_only_if_every_member_shra
 
     def shrunk() -> ShrunkGroups:
         return ShrunkGroups({("p2p", (0, 2)): (Shrinkable(calls, "child"), None)})
-    store.set(StoreKeys().shrunk("g0", 1, 2), "1")
+    store.set(StoreKeys().shrink_vote("done/g0", 1, 2), "1")
     mine = shrunk()
     assert agree_on_shrunk(job, "g0", 1, [0, 2], mine) is mine and calls.log == []
-    store.set(StoreKeys().shrunk("g0", 2, 2), "0")  # the other member's shrink failed: this one's are aborted
+    store.set(StoreKeys().shrink_vote("done/g0", 2, 2), "0")  # the other member's shrink failed: this one's are aborted
     assert agree_on_shrunk(job, "g0", 2, [0, 2], shrunk()) is None
     assert calls.log == [("group_start", "child"), ("abort", "child"), ("group_end", "child")]
     calls.log.clear()
     detector.dead = True  # a member dies before it answers
-    with pytest.raises(PeerFailure, match="compared their shrinks: rank 3 exited"):
+    with pytest.raises(PeerFailure, match=r"epoch 3 \(done/g0\): a member was lost: rank 3 exited"):
         agree_on_shrunk(job, "g0", 3, [0, 2], shrunk())
     assert ("abort", "child") in calls.log
