@@ -418,8 +418,8 @@ class NcclEpochComm(EpochComm):
             def shrink_all() -> None:
                 try:
                     for role, g, out in cuts:
-                        kept = tuple(r for r in g.members if r not in lost)
-                        children[(role, kept)] = shrink_nccl(g.backend, g.store, out)
+                        left = tuple(r for r in g.members if r not in lost)
+                        children[(role, left)] = shrink_nccl(g.backend, g.store, out)
                 except BaseException as e:  # noqa: BLE001 - reported by the caller's thread
                     failure.append(e)
             thread = threading.Thread(target=shrink_all, name="ds-recycle-nccl-shrink", daemon=True)

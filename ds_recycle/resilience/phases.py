@@ -180,11 +180,13 @@ def hold_failed(epoch: Epoch, shrink: bool) -> None:
         epoch.comm.retire()
 
 
-def shrink_failed(job: Job, epoch: Epoch, agreement: Agreement) -> ShrunkGroups | None:
+def shrink_failed(job: Job, epoch: Epoch | None, agreement: Agreement) -> ShrunkGroups | None:
     """The members agreed on who is lost: the failed ``epoch``'s NCCL communicators without them where every member
-    kept its epoch for that (:meth:`~ds_recycle.resilience.nccl.NcclEpochComm.shrink`); retired in any case."""
-    if not isinstance(epoch.comm, NcclEpochComm):
-        epoch.comm.retire()
+    kept its epoch for that (:meth:`~ds_recycle.resilience.nccl.NcclEpochComm.shrink`), the epoch retired in any
+    case (None: this member had none, its first groups never built; on NCCL it still answers the others)."""
+    if job.nccl_device is None:
+        if epoch is not None:
+            epoch.comm.retire()
         return None
 
     def gone(missing: Sequence[int]) -> str | None:  # the watchdog watches the failed epoch still: ask it by member
@@ -197,6 +199,9 @@ def shrink_failed(job: Job, epoch: Epoch, agreement: Agreement) -> ShrunkGroups 
         except PeerFailure as e:  # the regroup that follows meets the loss: the epoch is built afresh
             logger.warning("epoch %d: %s; its communicators are built, not shrunk", agreement.epoch, e)
             return False
+    if epoch is None or not isinstance(epoch.comm, NcclEpochComm):
+        all_kept(False)
+        return None
     return epoch.comm.shrink(agreement.lost, all_kept)
 
 

@@ -27,7 +27,7 @@ from ds_recycle.resilience.nccl import (
     nccl_device,
     polled_wait,
 )
-from ds_recycle.resilience.phases import Job, agree_on_shrunk
+from ds_recycle.resilience.phases import Agreement, Job, agree_on_shrunk, shrink_failed
 from ds_recycle.resilience.store import StoreKeys
 from tests.harness import assert_same_model, failure_report, run, tiny_config
 
@@ -451,3 +451,8 @@ def test_the_next_epoch_takes_the_shrunk_communicators_only_if_every_member_shra
     with pytest.raises(PeerFailure, match=r"epoch 3 \(done/g0\): a member was lost: rank 3 exited"):
         agree_on_shrunk(job, "g0", 3, [0, 2], shrunk())
     assert ("abort", "child") in calls.log
+    # a member whose first groups never built has no epoch to shrink: it says so, and the others build afresh
+    nccl_job = Job(store, StoreKeys(), 0, 0, 5.0, cast(Any, detector), cast(Any, None), 0, (), GPU)
+    store.set(StoreKeys().shrink_vote("kept", 4, 2), "1")
+    assert shrink_failed(nccl_job, None, Agreement(4, (0, 2), (1,), {}, None, 0.0)) is None
+    assert store.get(StoreKeys().shrink_vote("kept", 4, 0)) == b"0"
