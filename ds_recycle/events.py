@@ -195,6 +195,8 @@ class RecoveredEvent(Event):
     tensors_from_logs: int = _doc("boundary tensors served from boundary logs")
     rolled_forward_bytes: int = _doc("stage state sent to a replica caught between reduction and step")
     completed_steps: int = _doc("replicas that only had the step left and took it in the repair")
+    shrunk_groups: tuple[str, ...] = _doc("NCCL: the new epoch's groups taken shrunk from the failed epoch's (p2p, "
+                                          "norm, stage, a tied weight's name); empty: every group built afresh", ())
 
     @property
     def salvaged(self) -> bool:
@@ -427,7 +429,8 @@ def _convert(value: Any, hint: Any) -> Any:
 def _type_name(hint: Any) -> str:
     text = str(hint).replace("typing.", "").replace("ds_recycle.events.", "")
     text = text.replace("tuple[tuple[int, int], ...]", "list of [pipeline, stage]").replace(
-        "tuple[int, ...]", "list of int").replace("NoneType", "None").replace("<class '", "").replace("'>", "")
+        "tuple[int, ...]", "list of int").replace("tuple[str, ...]", "list of str").replace("NoneType", "None")
+    text = text.replace("<class '", "").replace("'>", "")
     return text.replace(" | ", " or ")  # a bar would split the Markdown table's cell
 
 

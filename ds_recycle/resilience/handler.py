@@ -139,6 +139,7 @@ class _Recovery:
     restored_at: float
     decision: Decision
     rolled_forward_bytes: int
+    shrunk_groups: tuple[str, ...]
 
     def event(self, now: float) -> RecoveredEvent:
         d = self.decision
@@ -150,7 +151,8 @@ class _Recovery:
             restore_s=self.restore_s, redo_s=now - self.restored_at, repair_iteration=d.iteration,
             committed_stages=tuple(sorted(d.committed)), dropped_stages=tuple(sorted(d.dropped)),
             kept_weight_gradients=d.kept_weight_gradients, tensors_from_logs=d.from_logs,
-            rolled_forward_bytes=self.rolled_forward_bytes, completed_steps=len(d.repair.completing))
+            rolled_forward_bytes=self.rolled_forward_bytes, completed_steps=len(d.repair.completing),
+            shrunk_groups=self.shrunk_groups)
 
 
 class FailureHandler:
@@ -378,7 +380,7 @@ class FailureHandler:
             self._recovery.killed_at if self._recovery is not None else None)
         self._recovery = _Recovery(killed_at, detection.detected_at, agreement.agreed_at - detection.detected_at,
                                    regrouped - agreement.agreed_at, planned - regrouped, restored - planned, restored,
-                                   decision, moved)
+                                   decision, moved, epoch.comm.shrunk_roles)
         self.state = HandlerState.RESUMING
         logger.warning("recovered from the loss of ranks %s: members %s, repairing iteration %d (stages %s had "
                        "stepped it)", list(agreement.lost), list(agreement.members), decision.iteration,

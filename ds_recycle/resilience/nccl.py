@@ -315,7 +315,7 @@ class NcclEpochComm(EpochComm):
         if shrunk is not None:
             shrunk.discard()  # any it holds that no group took
         comm = cls(epoch, sorted(members), p2p, norm, stage, detector, timeout_s, tied, device)
-        comm.shrunk_roles = tuple(taken)
+        comm._shrunk_roles = tuple(taken)
         return comm
 
     def roles(self) -> list[tuple[str, NcclGroup]]:
@@ -324,8 +324,7 @@ class NcclEpochComm(EpochComm):
         return [("p2p", self.p2p), ("norm", self.norm), ("stage", self.stage), *tied]  # type: ignore[list-item]
 
     def __post_init__(self) -> None:
-        self.shrunk_roles: tuple[str, ...] = ()
-        """The roles whose communicators this epoch took shrunk from the failed one (the rest were built)."""
+        self._shrunk_roles: tuple[str, ...] = ()
         self._retire_lock = threading.Lock()
         self._stream_waits = 0
         self._backstop: threading.Timer | None = None
@@ -366,6 +365,11 @@ class NcclEpochComm(EpochComm):
                                                self.abort_deadline_s)
         logger.info("epoch %d: %d NCCL communicators aborted in %.3f s", self.epoch, len(self.groups),
                     self.retired_in_s)
+
+    @property
+    def shrunk_roles(self) -> tuple[str, ...]:
+        """The roles whose communicators this epoch took shrunk from the failed one (the rest were built)."""
+        return self._shrunk_roles
 
     def _cancel_backstop(self) -> None:
         if self._backstop is not None:

@@ -76,6 +76,11 @@ class EpochComm:
     def retire(self) -> None:
         """The epoch is over on this worker: gloo groups are left as they are (kept referenced, never destroyed)."""
 
+    @property
+    def shrunk_roles(self) -> tuple[str, ...]:
+        """The groups this epoch took shrunk from the failed one (NCCL's fast path); gloo builds every group."""
+        return ()
+
 
 class LossRider:
     """A number that rides on each loss broadcast from the reporter (the job's count of join requests), so that

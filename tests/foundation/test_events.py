@@ -18,6 +18,7 @@ def _sample(cls: type[ev.Event]) -> ev.Event:
     """An event of ``cls`` with a value of the right type in every field."""
     by_type: dict[object, object] = {float: 1.5, float | None: 2.5, bool: True, int: 3, str: "x",
                                      tuple[int, ...]: (2, 3), tuple[tuple[int, int], ...]: ((1, 0),),
+                                     tuple[str, ...]: ("p2p", "norm"),
                                      tuple[int, int]: (1, 2), int | None: 4,
                                      tuple[tuple[int, int, float], ...]: ((1, 2, 2.5),)}
     hints = typing.get_type_hints(cls)

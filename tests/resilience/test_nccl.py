@@ -244,6 +244,7 @@ def test_a_job_on_the_nccl_path_over_stand_in_communicators_survives_a_kill_at_t
         assert rank_calls["group_aborts"] == 2 and rank_calls["aborts"] >= 6
     assert "NCCL communicators aborted in" in job.output
     assert ("NCCL communicators shrunk in" in job.output) is shrink
+    assert ('"shrunk_groups": ["p2p", "norm"]' if shrink else '"shrunk_groups": []') in job.output  # the event
 
 
 def test_a_received_tensor_is_waited_for_on_the_stream_and_the_host_checks_the_stream_every_few_waits(
