@@ -216,32 +216,36 @@ def test_the_nccl_transport_is_refused_where_it_cannot_run(monkeypatch: pytest.M
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("kill, dead, shrink", [("1:0@3:forward", 1, False), ("0:1@2:receive", 2, True)])
+@pytest.mark.parametrize("kills, dead, shrink", [(["1:0@3:forward"], {1}, False), (["0:1@2:receive"], {2}, True),
+                                                 (["1:0@2:forward", "0:1@4:forward"], {1, 2}, True)])
 def test_a_job_on_the_nccl_path_over_stand_in_communicators_survives_a_kill_at_the_failure_free_model(
-        tmp_path: Path, reference: Callable[[int, int, int], Path], kill: str, dead: int, shrink: bool) -> None:
+        tmp_path: Path, reference: Callable[[int, int, int], Path], kills: list[str], dead: set[int],
+        shrink: bool) -> None:
     """The NCCL transport's whole path in a real 2 x 2 job (tests/resilience/_nccl_emulated_train.py: gloo stands in
     for NCCL's communicators): every epoch's groups built as NCCL's, each step's transfers posted as one group, the
     failed epoch retired by one group abort on every survivor before they regroup, and the model at the end the
     failure-free one, bit for bit. With ``shrink``, the survivors' p2p and norm communicators are the failed
-    epoch's, shrunk after the agreement, and only the stage groups are built afresh."""
+    epoch's, shrunk after the agreement, and only the stage groups are built afresh; after a second kill the shrunk
+    communicators are shrunk again."""
     config = tiny_config(tmp_path, "nccl", 2, 2, failure_timeout_s=60.0, transport="nccl")
     out, calls = tmp_path / "final.pt", tmp_path / "calls"
     calls.mkdir()
     job = run([sys.executable, "-m", "ds_recycle", "launch", "--num_accelerators", "4", "--master_port", "0",
                str(Path(__file__).parent / "_nccl_emulated_train.py"), "--deepspeed_config", str(config),
-               "--steps", "7", "--save-final", str(out), "--kill", kill], timeout=180,
+               "--steps", "7", "--save-final", str(out), *[a for k in kills for a in ("--kill", k)]], timeout=180,
               env={"NCCL_CALLS_DIR": str(calls), "NCCL_STANDIN_SHRINK": "1" if shrink else "0"})
     assert job.returncode == 0, failure_report(job.output)
     assert_same_model(out, reference(2, 2, 7))
     seen = {p.stem: json.loads(p.read_text()) for p in calls.glob("*.json")}
-    survivors = [seen[f"rank{r}-life0"] for r in range(4) if r != dead]
+    survivors = [seen[f"rank{r}-life0"] for r in range(4) if r not in dead]
+    epochs = 1 + len(kills)
     for rank_calls in survivors:
         built = rank_calls["communicators"] + rank_calls["shrinks"]
-        assert built == 6  # p2p, norm, stage: the first epoch's and the survivors'
-        assert rank_calls["shrinks"] == (2 if shrink else 0)  # a stage group left with one member is built
+        assert built == 3 * epochs  # p2p, norm, stage: the first epoch's and the survivors'
+        assert rank_calls["shrinks"] == (2 * len(kills) if shrink else 0)  # a stage group left with one member: built
         assert rank_calls["groups"] >= 2 * 7  # each iteration's transfers, in NCCL groups (M = 4: at least two)
-        # the failed epoch, all together, and the last one at the end of training
-        assert rank_calls["group_aborts"] == 2 and rank_calls["aborts"] >= 6
+        # each failed epoch, all together, and the last one at the end of training
+        assert rank_calls["group_aborts"] == epochs and rank_calls["aborts"] >= 3 * epochs
     assert "NCCL communicators aborted in" in job.output
     assert ("NCCL communicators shrunk in" in job.output) is shrink
     assert ('"shrunk_groups": ["p2p", "norm"]' if shrink else '"shrunk_groups": []') in job.output  # the event
