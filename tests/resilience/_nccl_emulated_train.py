@@ -6,9 +6,9 @@ abort before the survivors regroup) where this CPU build of torch has no NCCL.
 What the stand-in cannot show is NCCL itself: its "abort" fails the communicator's pending and later waits (as
 NCCL's does) but leaves gloo's operations as they are, and a wait on the stream is a wait of the host; a worker
 blocked there is released when the watchdog trips (where NCCL's host would see the detector between its polls of
-the stream). With ``NCCL_STANDIN_SHRINK=1`` the communicators can be
-shrunk: a shrink aborts the parent and connects a gloo group among the members left (collective among them, as
-``ncclCommShrink`` is). Each worker writes the calls it saw to ``$NCCL_CALLS_DIR``.
+the stream). With ``NCCL_STANDIN_SHRINK=1`` the communicators can be shrunk: a shrink aborts the parent and
+connects a gloo group among the members left (collective among them, as ``ncclCommShrink`` is). Each worker writes
+the calls it saw to ``$NCCL_CALLS_DIR``.
 """
 from __future__ import annotations
 
