@@ -343,7 +343,7 @@ class FailureHandler:
         except MembershipError as e:  # fenced out by the others: leave, a restart can join again
             logger.error("%s; leaving as lost (exit %d)", e, ckpt.LOST_EXIT_CODE)
             self._exit(ckpt.LOST_EXIT_CODE)
-        shrunk = shrink_failed(job, getattr(self, "epoch", None), agreement)
+        shrunk = shrink_failed(job, getattr(self, "epoch", None), agreement, self.cfg.recycle.nccl_shrink)
         self._event(FailureEvent(lost_ranks=agreement.lost, lost_workers=tuple(
             job.workers.worker_of_rank(q) for q in agreement.lost), reason=detection.reason, epoch=agreement.epoch))
         self.members = agreement.members

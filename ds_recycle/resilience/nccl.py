@@ -32,8 +32,8 @@ The same shape as the gloo groups (:mod:`ds_recycle.resilience.comm`), with what
   pending operations are aborted first, only the survivors call it) in one order on every rank (p2p, norm, stage,
   tied by name), and aborts the parents together (:meth:`NcclEpochComm.shrink`). The survivors then tell each
   other whether every shrink worked; only if all did is the next epoch built from the shrunk communicators,
-  otherwise they are aborted and every group is built afresh (:func:`ds_recycle.resilience.phases.regroup`). Communicators
-  that lost no member are built afresh either way. While the failed epoch is kept, the watchdog's backstop waits
+  otherwise they are aborted and every group is built afresh (:func:`ds_recycle.resilience.phases.shrink_failed`).
+  Communicators that lost no member are built afresh either way. While the failed epoch is kept, the watchdog's backstop waits
   :data:`SHRINK_WINDOW_S` rather than :data:`BACKSTOP_S`, so a training thread stuck in CUDA behind a dead peer is
   still released.
 

@@ -180,11 +180,16 @@ def hold_failed(epoch: Epoch, shrink: bool) -> None:
         epoch.comm.retire()
 
 
-def shrink_failed(job: Job, epoch: Epoch | None, agreement: Agreement) -> ShrunkGroups | None:
-    """The members agreed on who is lost: the failed ``epoch``'s NCCL communicators without them where every member
-    kept its epoch for that (:meth:`~ds_recycle.resilience.nccl.NcclEpochComm.shrink`), the epoch retired in any
-    case (None: this member had none, its first groups never built; on NCCL it still answers the others)."""
-    if job.nccl_device is None:
+def shrink_failed(job: Job, epoch: Epoch | None, agreement: Agreement, shrink: bool) -> ShrunkGroups | None:
+    """The members agreed on who is lost: the failed ``epoch``'s NCCL communicators without them, for the next epoch
+    to take, where ``shrink`` (``recycle.nccl_shrink``) asks for it; the epoch is retired in any case (None: this
+    member had none, its first groups never built).
+
+    Every member answers two questions through the store: does it still have its epoch (only if all do does any
+    start a shrink, which is collective: :meth:`~ds_recycle.resilience.nccl.NcclEpochComm.shrink`), and did every
+    shrink work (only if all did are the shrunk communicators kept, so that the next epoch takes them on all members
+    or on none). A member lost meanwhile makes the answer no; the regroup that follows meets the loss."""
+    if job.nccl_device is None or not shrink:
         if epoch is not None:
             epoch.comm.retire()
         return None
@@ -193,16 +198,24 @@ def shrink_failed(job: Job, epoch: Epoch | None, agreement: Agreement) -> Shrunk
         dead = [q for q in missing if job.watchdog.dead(q)]
         return f"rank(s) {dead} lost since the agreement" if dead else None
 
-    def all_kept(kept: bool) -> bool:
+    def all_say_yes(question: str, yes: bool) -> bool:
         try:
-            return all_say(job, "kept", agreement.epoch, agreement.members, kept, gone)
-        except PeerFailure as e:  # the regroup that follows meets the loss: the epoch is built afresh
+            return all_say(job, question, agreement.epoch, agreement.members, yes, gone)
+        except PeerFailure as e:
             logger.warning("epoch %d: %s; its communicators are built, not shrunk", agreement.epoch, e)
             return False
     if epoch is None or not isinstance(epoch.comm, NcclEpochComm):
-        all_kept(False)
+        all_say_yes("kept", False)
+        all_say_yes("done", False)
         return None
-    return epoch.comm.shrink(agreement.lost, all_kept)
+    shrunk = epoch.comm.shrink(agreement.lost, lambda kept: all_say_yes("kept", kept))
+    if all_say_yes("done", shrunk is not None):
+        return shrunk
+    if shrunk is not None:
+        logger.warning("epoch %d: not every member shrank the failed epoch's communicators; building new ones",
+                       agreement.epoch)
+        shrunk.discard()
+    return None
 
 
 def all_say(job: Job, question: str, number: int, members: Sequence[int], yes: bool,
@@ -226,35 +239,14 @@ def all_say(job: Job, question: str, number: int, members: Sequence[int], yes: b
     return all(store.get(key) == b"1" for key in answers.values())
 
 
-def agree_on_shrunk(job: Job, label: str, number: int, members: Sequence[int],
-                    shrunk: ShrunkGroups | None) -> ShrunkGroups | None:
-    """``shrunk`` if every member shrank the failed epoch's communicators (each says so in the store), else None
-    (this member's are aborted): the next epoch is built from them on all members or on none.
-
-    Raises :class:`~ds_recycle.resilience.errors.PeerFailure` when a member dies or does not answer in time."""
-    def gone(missing: Sequence[int]) -> str | None:  # the watchdog watches the new epoch's members now
-        return f"a member was lost: {job.watchdog.reason()}" if job.watchdog.failed() else None
-    try:
-        every = all_say(job, f"done/{label}", number, members, shrunk is not None, gone)
-    except PeerFailure:
-        if shrunk is not None:
-            shrunk.discard()
-        raise
-    if shrunk is not None and not every:
-        logger.warning("epoch %d: not every member shrank the failed epoch's communicators; building new ones", number)
-        shrunk.discard()
-        return None
-    return shrunk
-
-
 def regroup(job: Job, number: int, members: Sequence[int], tag: str, rider: LossRider,
             known: dict[int, int] | None = None, shrunk: ShrunkGroups | None = None) -> Epoch:
     """Build epoch ``number``'s groups among ``members`` (every member calls it with the same arguments).
 
     The watchdog watches the members from now on (``known``: restart counts of joiners, from their requests) and
     breaks the groups if one dies; a member that dies while the groups connect is a
-    :class:`~ds_recycle.resilience.errors.PeerFailure`. On NCCL, the members first agree whether the next epoch
-    takes the communicators each shrank from the failed one (``shrunk``, :func:`agree_on_shrunk`).
+    :class:`~ds_recycle.resilience.errors.PeerFailure`. ``shrunk``: NCCL communicators shrunk from the failed epoch
+    that every member took (:func:`shrink_failed`), used for the groups they fit.
     """
     workers = job.workers_of(members)
     stage_members = workers.stage_ranks(job.stage)
@@ -264,8 +256,6 @@ def regroup(job: Job, number: int, members: Sequence[int], tag: str, rider: Loss
     store = connect_store(timeout_s=job.timeout_s)
     label = f"g{job.generation}{tag}"
     device = job.nccl_device
-    if device is not None:
-        shrunk = agree_on_shrunk(job, label, number, members, shrunk)
 
     def build() -> EpochComm:
         if device is None:

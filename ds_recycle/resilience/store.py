@@ -68,7 +68,7 @@ class StoreKeys:
 
     def shrink_vote(self, question: str, epoch: int, rank: int) -> str:
         """``1`` or ``0``: ``rank``'s answer to ``question`` about shrinking the failed epoch's NCCL communicators
-        into epoch ``epoch`` (``kept``: it still has them; ``done/<regroup label>``: it shrank them)."""
+        into epoch ``epoch`` (``kept``: it still has them; ``done``: it shrank them)."""
         return f"{self.root}/epoch/{epoch}/shrink/{question}/{rank}"
 
     def end_outcome(self, epoch: int) -> str:

@@ -27,7 +27,7 @@ from ds_recycle.resilience.nccl import (
     nccl_device,
     polled_wait,
 )
-from ds_recycle.resilience.phases import Agreement, Job, agree_on_shrunk, shrink_failed
+from ds_recycle.resilience.phases import Agreement, Job, shrink_failed
 from ds_recycle.resilience.store import StoreKeys
 from tests.harness import assert_same_model, failure_report, run, tiny_config
 
@@ -434,30 +434,49 @@ def test_a_failed_shrink_aborts_what_it_made_and_the_epoch_and_an_epoch_not_shru
     assert said == [True] and "shrink" not in [c[0] for c in calls.log] and comm.retired_in_s is not None
 
 
-def test_the_next_epoch_takes_the_shrunk_communicators_only_if_every_member_shrank(
+def test_the_next_epoch_takes_the_shrunk_communicators_only_if_every_member_kept_its_epoch_and_shrank_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's side of the two votes of a 3-rank epoch that lost rank 1 (rank 2's answers are in the store)."""
+    from types import SimpleNamespace
     from typing import cast
 
-    calls = Calls()
-    store = dist.HashStore()
-    detector = Detector()
-    job = Job(store, StoreKeys(), 0, 0, 5.0, cast(Any, detector), cast(Any, None), 0, ())
+    import ds_recycle.resilience.nccl as nccl
 
-    def shrunk() -> ShrunkGroups:
-        return ShrunkGroups({("p2p", (0, 2)): (Shrinkable(calls, "child"), None)})
-    store.set(StoreKeys().shrink_vote("done/g0", 1, 2), "1")
-    mine = shrunk()
-    assert agree_on_shrunk(job, "g0", 1, [0, 2], mine) is mine and calls.log == []
-    store.set(StoreKeys().shrink_vote("done/g0", 2, 2), "0")  # the other member's shrink failed: this one's are aborted
-    assert agree_on_shrunk(job, "g0", 2, [0, 2], shrunk()) is None
-    assert calls.log == [("group_start", "child"), ("abort", "child"), ("group_end", "child")]
-    calls.log.clear()
-    detector.dead = True  # a member dies before it answers
-    with pytest.raises(PeerFailure, match=r"epoch 3 \(done/g0\): a member was lost: rank 3 exited"):
-        agree_on_shrunk(job, "g0", 3, [0, 2], shrunk())
-    assert ("abort", "child") in calls.log
+    class Watchdog:
+        lost: set[int] = set()
+
+        def dead(self, rank: int) -> bool:
+            return rank in self.lost
+    calls, store, watchdog = Calls(), dist.HashStore(), Watchdog()
+    monkeypatch.setattr(nccl, "shrink_nccl", fake_shrink(calls))
+    job = Job(store, StoreKeys(), 0, 0, 5.0, cast(Any, watchdog), cast(Any, None), 0, (), GPU)
+
+    def failed(number: int, kept: str | None, done: str | None, shrink: bool = True) -> ShrunkGroups | None:
+        comm = NcclEpochComm.build_nccl(dist.HashStore(), number - 1, [0, 1, 2], [0, 1, 2], 0, 30.0, Detector(), GPU,
+                                        connect=fake_connect(calls, Shrinkable))
+        for question, answer in (("kept", kept), ("done", done)):
+            if answer is not None:
+                store.set(StoreKeys().shrink_vote(question, number, 2), answer)
+        assert comm.hold()
+        calls.log.clear()
+        agreement = Agreement(number, (0, 2), (1,), {}, None, 0.0)
+        return shrink_failed(job, cast(Any, SimpleNamespace(comm=comm)), agreement, shrink)
+
+    shrunk = failed(1, "1", "1")  # all kept, all shrank: taken
+    assert shrunk is not None and sorted(shrunk.pairs) == [("norm", (0, 2)), ("p2p", (0, 2)), ("stage", (0, 2))]
+    assert [c[0] for c in calls.log].count("shrink") == 3
+    assert failed(2, "1", "0") is None  # rank 2's shrink failed: this one's are aborted
+    assert [c[1] for c in calls.log if c[0] == "abort"] == ["comm0", "comm1", "comm2",  # the epoch, then its children
+                                                            "comm0-shrunk", "comm1-shrunk", "comm2-shrunk"]
+    assert failed(3, "0", "0") is None and "shrink" not in [c[0] for c in calls.log]  # rank 2 no longer had it
+    watchdog.lost = {2}
+    assert failed(4, None, None) is None and "shrink" not in [c[0] for c in calls.log]  # lost before it answered
+    assert failed(5, None, None, shrink=False) is None  # recycle.nccl_shrink off: retired, nothing asked
+    assert [c[0] for c in calls.log] == ["group_start", "abort", "abort", "abort", "group_end"]
+    assert not store.check([StoreKeys().shrink_vote("kept", 5, 0)])
     # a member whose first groups never built has no epoch to shrink: it says so, and the others build afresh
-    nccl_job = Job(store, StoreKeys(), 0, 0, 5.0, cast(Any, detector), cast(Any, None), 0, (), GPU)
-    store.set(StoreKeys().shrink_vote("kept", 4, 2), "1")
-    assert shrink_failed(nccl_job, None, Agreement(4, (0, 2), (1,), {}, None, 0.0)) is None
-    assert store.get(StoreKeys().shrink_vote("kept", 4, 0)) == b"0"
+    watchdog.lost = set()
+    store.set(StoreKeys().shrink_vote("kept", 6, 2), "1")
+    store.set(StoreKeys().shrink_vote("done", 6, 2), "1")
+    assert shrink_failed(job, None, Agreement(6, (0, 2), (1,), {}, None, 0.0), True) is None
+    assert store.get(StoreKeys().shrink_vote("kept", 6, 0)) == b"0"
