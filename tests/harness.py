@@ -55,20 +55,23 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -
     return Job(proc.returncode, out)
 
 
+def _report(output: str, title: str, line: str, tail: int) -> str:
+    """A job's output for a failure message: its lines that match ``line`` (any worker's ``[rank N]`` prefixes
+    allowed) under ``title``, then the output's tail."""
+    picked = [text for text in output.splitlines() if re.match(rf"(\[rank \d+\] )*({line})", text)]
+    return (f"{title}:\n" + "\n".join(picked) + "\n\n" if picked else "") + "last output:\n" + output[-tail:]
+
+
 def hang_report(output: str, tail: int = 5000) -> str:
     """A timed-out job's output for its failure message: the workers' stack dumps (SIGUSR1, :func:`dump_stacks`),
-    whatever came after them, then the output's tail."""
-    stack = [line for line in output.splitlines()
-             if re.match(r"(\[rank \d+\] )*(Thread 0x|Current thread 0x|  File |Stack \(most recent)", line)]
-    return ("stacks of the workers at the timeout:\n" + "\n".join(stack) + "\n\n" if stack else "") + \
-        "last output:\n" + output[-tail:]
+    then the output's tail."""
+    return _report(output, "stacks of the workers at the timeout",
+                   r"Thread 0x|Current thread 0x|  File |Stack \(most recent", tail)
 
 
 def failure_report(output: str, tail: int = 5000) -> str:
     """A failed job's output for its failure message: every traceback line of every worker, then the output's tail."""
-    errors = [line for line in output.splitlines()
-              if re.match(r"(\[rank \d+\] )*(Traceback|  File |\w+(Error|Exception|Failure)\b)", line)]
-    return ("tracebacks:\n" + "\n".join(errors) + "\n\n" if errors else "") + "last output:\n" + output[-tail:]
+    return _report(output, "tracebacks", r"Traceback|  File |\w+(Error|Exception|Failure)\b", tail)
 
 
 def tiny_config(tmp: Path, name: str, stages: int, pipelines: int = 2, **recycle: Any) -> Path:
